@@ -1,0 +1,25 @@
+# Two commands do all set-up: `make demo` and `make test` (see README.md).
+VENV := .venv
+BIN := $(VENV)/bin
+DEMO := build/demo
+
+.PHONY: demo test clean
+
+$(BIN)/.installed: requirements-dev.txt
+	python3 -m venv $(VENV)
+	$(BIN)/pip install --quiet -r requirements-dev.txt
+	touch $@
+
+# Generate a project with the default answers, then train it on 2 CPU processes.
+demo: $(BIN)/.installed
+	rm -rf $(DEMO)
+	$(BIN)/cookiecutter . --no-input --output-dir $(DEMO)
+	cd $(DEMO)/ddp_classifier && PATH="$(CURDIR)/$(BIN):$$PATH" \
+		torchrun --standalone --nproc_per_node=2 train.py model.name=mlp train.epochs=5
+
+# Every test: the template's, and each generated project's own suite.
+test: $(BIN)/.installed
+	$(BIN)/python -m pytest tests
+
+clean:
+	rm -rf $(VENV) $(DEMO)

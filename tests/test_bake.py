@@ -1,0 +1,91 @@
+"""Baking the template: every choice renders, bad answers are refused, hostile text is safe."""
+
+import ast
+import subprocess
+import sys
+import tomllib
+
+import pytest
+from conftest import CHOICES, TEMPLATE, bake
+from cookiecutter.exceptions import FailedHookException
+
+USER_FILES = {"model.py", "data.py", "config.yaml"}
+
+
+def rendered_files(project):
+    return [p for p in project.rglob("*") if p.is_file() and "__pycache__" not in p.parts]
+
+
+def test_defaults_bake_a_complete_project(baked):
+    assert baked.name == "ddp_classifier"
+    names = {p.name for p in baked.iterdir()}
+    assert USER_FILES | {"train.py", "evaluate.py", "config.py", "README.md", "pyproject.toml", "LICENSE"} <= names
+    assert (baked / "scripts" / "slurm" / "train.sbatch").is_file()
+    for path in rendered_files(baked):
+        text = path.read_text()
+        assert "cookiecutter." not in text and "{%" not in text, path
+        if path.suffix == ".py":
+            ast.parse(text, filename=str(path))
+
+
+@pytest.mark.parametrize("license_name", CHOICES["license"])
+def test_every_license_choice(tmp_path, license_name):
+    project = bake(tmp_path, license=license_name, author="Ada Lovelace")
+    text = (project / "LICENSE").read_text()
+    assert "Ada Lovelace" in text
+    assert tomllib.loads((project / "pyproject.toml").read_text())["project"]["license"]["text"] == license_name
+
+
+@pytest.mark.parametrize("version", CHOICES["python_version"])
+def test_every_python_version_choice(tmp_path, version):
+    project = bake(tmp_path, python_version=version)
+    assert tomllib.loads((project / "pyproject.toml").read_text())["project"]["requires-python"] == f">={version}"
+
+
+@pytest.mark.parametrize(
+    "slug, problem",
+    [
+        ("2fast", "is not a Python identifier"),
+        ("my-project", "is not a Python identifier"),
+        ("class", "is a Python keyword"),
+        ("torch", "would shadow a module the project imports"),
+        ("json", "would shadow a module the project imports"),
+        ("config", "is the name of one of the project's own modules"),
+    ],
+)
+def test_bad_slug_is_refused_and_nothing_is_left(tmp_path, slug, problem):
+    with pytest.raises(FailedHookException):
+        bake(tmp_path, project_slug=slug)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_bad_slug_message_is_one_line_from_the_cli(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "cookiecutter", str(TEMPLATE), "--no-input", "-o", str(tmp_path), "project_slug=torch"],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode != 0
+    assert "error: project_slug 'torch' would shadow a module the project imports; rerun with e.g." in result.stderr
+    assert "Traceback" not in result.stderr + result.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_name_is_turned_into_a_slug(tmp_path):
+    assert bake(tmp_path, project_name="My Great Model").name == "my_great_model"
+
+
+HOSTILE = "It's \"quoted\"\nand\\back {{ cookiecutter.author }} {% if %} ${{ github }} \u00e9\U0001f600"
+
+
+@pytest.mark.parametrize("key", ["project_name", "description", "author"])
+def test_hostile_free_text_is_kept_verbatim_and_safe(tmp_path, key):
+    project = bake(tmp_path, project_slug="hostile", **{key: HOSTILE})
+    meta = tomllib.loads((project / "pyproject.toml").read_text())["project"]
+    if key == "description":
+        assert meta["description"] == HOSTILE
+    if key == "author":
+        assert meta["authors"][0]["name"] == HOSTILE
+    for path in rendered_files(project):
+        if path.suffix == ".py":
+            ast.parse(path.read_text(), filename=str(path))

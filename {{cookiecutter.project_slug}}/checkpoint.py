@@ -1,0 +1,211 @@
+"""Checkpoints: atomic rank-0 writes, CPU-mapped weights-only reads, auto-resume.
+
+Layout under <output_dir>/checkpoints/:
+  step-00001234.pt   one file per save, the newest `checkpoint.keep_last` kept
+  last.pt            the newest complete checkpoint (what `resume=auto` continues from)
+  best.pt            the one with the best validation accuracy so far
+
+A checkpoint holds plain data only (tensors, numbers, strings, lists, dicts), so it loads
+with `torch.load(weights_only=True)`, which refuses to run code hidden in a pickle.
+"""
+
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from config import UsageError, to_dict
+from distributed import all_gather_objects, is_main
+from logs import log
+from seeding import capture_rng_state, restore_rng_state
+
+STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
+PREFIXES = ("module.", "_orig_mod.")  # added by DDP and torch.compile wrappers
+
+
+class CheckpointError(UsageError):
+    pass
+
+
+def checkpoint_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def save_checkpoint(state: dict, directory: Path, step: int, keep_last: int, is_best: bool) -> Path:
+    """Write `state` as step-<step>.pt, then point last.pt (and best.pt) at it. Rank 0 only."""
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"step-{step:08d}.pt"
+    atomic_write(directory, path.name, lambda f: torch.save(state, f))
+    publish(path, directory / "last.pt")
+    if is_best:
+        publish(path, directory / "best.pt")
+    prune(directory, keep_last)
+    return path
+
+
+def atomic_write(directory: Path, name: str, write) -> None:
+    """Write via a temporary file, fsync it, rename it into place, fsync the folder.
+
+    A crash at any point leaves either the old file or the complete new one, never a
+    torn one. Temporary names start with '.' and end in '.tmp', so nothing mistakes them
+    for checkpoints.
+    """
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / name)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    fsync_dir(directory)
+
+
+def publish(source: Path, target: Path) -> None:
+    """Make `target` a complete copy of `source`, atomically (a hard link where possible)."""
+    tmp = target.with_name(f".{target.name}.link.tmp")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(source, tmp)
+    except OSError:  # file systems without hard links
+        shutil.copyfile(source, tmp)
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
+
+
+def fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def step_checkpoints(directory: Path) -> list[Path]:
+    """step-*.pt files, oldest first."""
+    if not directory.is_dir():
+        return []
+    found = [p for p in directory.iterdir() if STEP_FILE.match(p.name)]
+    return sorted(found, key=lambda p: int(STEP_FILE.match(p.name).group(1)))
+
+
+def prune(directory: Path, keep_last: int) -> None:
+    for old in step_checkpoints(directory)[:-keep_last]:
+        old.unlink(missing_ok=True)
+    for stale in directory.glob(".*.tmp"):  # left by a process killed mid-write
+        stale.unlink(missing_ok=True)
+
+
+def load_checkpoint(path: str | Path) -> dict:
+    """Read a checkpoint onto the CPU, refusing anything but plain data."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} not found")
+    try:
+        # map_location="cpu": every rank would otherwise load onto the device the
+        # tensors were saved from (GPU 0), piling N copies there.
+        state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded: {reason}") from None
+    if not isinstance(state, dict) or "model" not in state:
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a checkpoint of this project")
+    return state
+
+
+def find_resume_checkpoint(directory: Path) -> Path | None:
+    last = directory / "last.pt"
+    return last if last.is_file() else None
+
+
+def strip_prefixes(state_dict: dict) -> dict:
+    """Model weights without wrapper prefixes, so any wrapping loads any other."""
+    clean = {}
+    for key, value in state_dict.items():
+        changed = True
+        while changed:
+            changed = False
+            for prefix in PREFIXES:
+                if key.startswith(prefix):
+                    key, changed = key[len(prefix) :], True
+        clean[key] = value
+    return clean
+
+
+def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) -> None:
+    """Copy weights into `model`, naming the first mismatch if the architectures differ."""
+    weights = strip_prefixes(state_dict)
+    expected = model.state_dict()
+    for key, value in expected.items():
+        if key not in weights:
+            raise CheckpointError(f"{source}: model weight {key!r} is missing from the checkpoint")
+        if weights[key].shape != value.shape:
+            raise CheckpointError(
+                f"{source}: {key!r} has shape {tuple(weights[key].shape)} in the checkpoint "
+                f"but {tuple(value.shape)} in the model (different model config?)"
+            )
+    unexpected = sorted(set(weights) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{source}: the checkpoint has weight {unexpected[0]!r} the model lacks")
+    model.load_state_dict(weights)
+
+
+def save_train_state(state, cfg, world_size: int, is_best: bool = False) -> None:
+    """Checkpoint the run. Every rank must call this (it gathers every rank's RNG state);
+    only rank 0 writes."""
+    rng_states = all_gather_objects(capture_rng_state())
+    if is_main():
+        payload = {
+            **state.state_dict(),
+            "config": to_dict(cfg),
+            "world_size": world_size,
+            "rng": rng_states,
+        }
+        save_checkpoint(payload, checkpoint_dir(cfg.output_dir), state.step, cfg.checkpoint.keep_last, is_best)
+
+
+def resume_path(cfg) -> Path | None:
+    """The checkpoint to continue from: checkpoint.resume is auto, none or a path."""
+    if cfg.checkpoint.resume == "none":
+        return None
+    if cfg.checkpoint.resume == "auto":
+        return find_resume_checkpoint(checkpoint_dir(cfg.output_dir))
+    return Path(cfg.checkpoint.resume)
+
+
+def resume_train_state(state, cfg, rank: int, world_size: int) -> bool:
+    """Continue a run from its checkpoint, or initialise weights for fine-tuning.
+
+    Returns True when the RNG state was restored (mid-epoch resume, same world size).
+    """
+    path = resume_path(cfg)
+    if path is None:
+        if cfg.checkpoint.init_from:
+            ckpt = load_checkpoint(cfg.checkpoint.init_from)
+            load_model_weights(state.model, ckpt["model"], cfg.checkpoint.init_from)
+            log(f"initialised model weights from {cfg.checkpoint.init_from} (fine-tuning)")
+        return False
+    ckpt = load_checkpoint(path)
+    load_model_weights(state.model, ckpt["model"], str(path))
+    state.load_state_dict(ckpt)
+    log(f"resumed from {path}: epoch {state.epoch}, step {state.step}")
+    if state.batches_done == 0:
+        return False
+    if ckpt["world_size"] == world_size:
+        restore_rng_state(ckpt["rng"][rank])
+        return True
+    # Continue at the same sample position of the epoch's permutation, in whole steps.
+    saved = ckpt["config"]["train"]
+    samples_done = state.batches_done * saved["batch_size"] * ckpt["world_size"]
+    effective_batch = cfg.train.batch_size * world_size * cfg.train.accum_steps
+    state.batches_done = samples_done // effective_batch * cfg.train.accum_steps
+    log(
+        f"note: the checkpoint was written by {ckpt['world_size']} processes and this run has "
+        f"{world_size}; model and optimizer continue exactly, the data order from here differs"
+    )
+    return False

@@ -1,0 +1,261 @@
+"""The run configuration: one typed schema with defaults, checks and loading.
+
+Values come from `config.yaml`, then from `section.key=value` overrides on the command
+line. A key the schema does not know, a value of the wrong type or an invalid value is a
+`ConfigError` that names the key; the entry points turn it into one line and exit code 2.
+"""
+
+import copy
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+
+class UsageError(Exception):
+    """Bad input from the user (config, data, checkpoint): shown as one line, exit 2."""
+
+
+class ConfigError(UsageError):
+    pass
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"  # synthetic | imagefolder | cifar10
+    root: str = "data"  # imagefolder: <root>/train/<class>/*, <root>/val/<class>/*
+    download: bool = False  # cifar10 only: fetch it into root if missing
+    train_size: int = 4096  # synthetic only
+    val_size: int = 1000  # synthetic only
+    num_classes: int = 10  # synthetic only; others read it from the data
+    image_size: int = 32
+    augment: bool = True  # random crop and flip on training images
+    num_workers: int = 2  # DataLoader worker processes per rank
+
+    def __post_init__(self):
+        check_choice("data.name", self.name, ("synthetic", "imagefolder", "cifar10"))
+        for key in ("train_size", "val_size", "num_classes", "image_size"):
+            check_positive(f"data.{key}", getattr(self, key))
+        check_positive("data.num_workers", self.num_workers, allow_zero=True)
+
+
+@dataclass
+class ModelConfig:
+    name: str = "resnet18"  # resnet18 | mlp (model.py)
+    hidden_dim: int = 256  # mlp only
+    dropout: float = 0.0  # mlp only
+    sync_bn: bool = True  # SyncBatchNorm across GPUs (CUDA with >1 process only)
+
+    def __post_init__(self):
+        check_positive("model.hidden_dim", self.hidden_dim)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 10
+    batch_size: int = 64  # per process; effective = batch_size * world size * accum_steps
+    accum_steps: int = 1  # gradient accumulation: micro-batches per optimizer step
+    optimizer: str = "sgd"  # sgd | adamw
+    lr: float = 0.1
+    momentum: float = 0.9  # sgd only
+    weight_decay: float = 5e-4
+    schedule: str = "cosine"  # cosine | step | constant, advanced per optimizer step
+    warmup_steps: int = 0  # linear warmup, in optimizer steps
+    step_every_epochs: int = 30  # step schedule: multiply lr by step_gamma this often
+    step_gamma: float = 0.1
+    grad_clip: float = 0.0  # max gradient norm; 0 = off
+    precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 needs CUDA; uses a GradScaler)
+    eval_batch_size: int = 256  # per process
+    log_every_steps: int = 10
+    stop_at_step: int = 0  # stop with a checkpoint at this optimizer step; 0 = run all epochs
+    deterministic: bool = False  # torch.use_deterministic_algorithms
+
+    def __post_init__(self):
+        for key in ("epochs", "batch_size", "accum_steps", "eval_batch_size", "log_every_steps"):
+            check_positive(f"train.{key}", getattr(self, key))
+        for key in ("lr", "step_every_epochs", "step_gamma"):
+            check_positive(f"train.{key}", getattr(self, key))
+        for key in ("momentum", "weight_decay", "warmup_steps", "grad_clip", "stop_at_step"):
+            check_positive(f"train.{key}", getattr(self, key), allow_zero=True)
+        check_choice("train.optimizer", self.optimizer, ("sgd", "adamw"))
+        check_choice("train.schedule", self.schedule, ("cosine", "step", "constant"))
+        check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
+
+
+@dataclass
+class CheckpointConfig:
+    resume: str = "auto"  # auto (last.pt in output_dir if any) | none | a checkpoint path
+    init_from: str = ""  # fine-tuning: load model weights only from this checkpoint
+    every_steps: int = 0  # also checkpoint every N optimizer steps; 0 = at epoch ends only
+    keep_last: int = 3  # step checkpoints kept besides last.pt and best.pt
+
+    def __post_init__(self):
+        if not self.resume:
+            raise ConfigError("checkpoint.resume must be auto, none or a path, got ''")
+        check_positive("checkpoint.every_steps", self.every_steps, allow_zero=True)
+        check_positive("checkpoint.keep_last", self.keep_last)
+
+
+@dataclass
+class DistConfig:
+    backend: str = "auto"  # auto (nccl on CUDA, else gloo) | nccl | gloo
+    timeout_minutes: float = 30.0  # a collective waiting longer than this fails the run
+
+    def __post_init__(self):
+        check_choice("dist.backend", self.backend, ("auto", "nccl", "gloo"))
+        check_positive("dist.timeout_minutes", self.timeout_minutes)
+
+
+@dataclass
+class Config:
+    seed: int = 0
+    output_dir: str = "runs/default"  # checkpoints, metrics.jsonl, the resolved config
+    data: DataConfig = field(default_factory=DataConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
+
+    def __post_init__(self):
+        check_positive("seed", self.seed, allow_zero=True)
+        if not self.output_dir:
+            raise ConfigError("output_dir must not be empty")
+
+
+def check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+
+
+def check_positive(key: str, value: float, allow_zero: bool = False) -> None:
+    if value < 0 or (value == 0 and not allow_zero):
+        bound = ">= 0" if allow_zero else "> 0"
+        raise ConfigError(f"{key} must be {bound}, got {value}")
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None) -> "Config":
+    """The config from a YAML file with `a.b=value` overrides applied.
+
+    Without a file, start from `base` (e.g. a checkpoint's stored config) or the defaults.
+    """
+    values = read_yaml(Path(path)) if path is not None else copy.deepcopy(base or {})
+    for override in overrides:
+        key, sep, raw = override.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"override {override!r} is not of the form section.key=value")
+        set_dotted(values, key.strip(), raw)
+    return build(Config, values, prefix="")
+
+
+def read_yaml(path: Path) -> dict:
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} not found (pass --config PATH)") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {error.strerror}") from None
+    try:
+        values = yaml.safe_load(text)
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{path}{where}: YAML syntax error: {problem}") from None
+    if values is None:
+        return {}
+    if not isinstance(values, dict):
+        raise ConfigError(f"{path}: expected a mapping of keys to values at the top level")
+    return values
+
+
+def set_dotted(values: dict, key: str, raw: str) -> None:
+    """Store the raw override string at `key`; `build` converts it to the field's type."""
+    *sections, leaf = key.split(".")
+    node = values
+    for depth, section in enumerate(sections):
+        child = node.setdefault(section, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(sections[: depth + 1])} is a value, not a section")
+        node = child
+    node[leaf] = CliValue(raw)
+
+
+class CliValue(str):
+    """A value typed on the command line: converted from text to the field's type."""
+
+
+def build(cls: type, values: dict, prefix: str):
+    """An instance of the dataclass `cls` from nested dicts, checking every key and type."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix.rstrip('.')} must be a section (key: value lines)")
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in values.items():
+        key = f"{prefix}{name}"
+        if name not in known:
+            raise ConfigError(f"unknown config key {key!r}{suggestion(key)}")
+        kind = hints[name]
+        if dataclasses.is_dataclass(kind):
+            kwargs[name] = build(kind, value, prefix=f"{key}.")
+        else:
+            kwargs[name] = convert(key, value, kind)
+    return cls(**kwargs)
+
+
+def convert(key: str, value, kind: type):
+    """`value` as `kind` (bool, int, float or str), or a ConfigError naming the key."""
+    if isinstance(value, CliValue):
+        return convert_text(key, str(value), kind)
+    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return float(value)
+    if kind is float and isinstance(value, str):
+        return convert_text(key, value, kind)  # YAML reads 1e-3 (no dot) as a string
+    if type(value) is kind:
+        return value
+    got = "null" if value is None else type(value).__name__
+    raise ConfigError(f"{key} must be {kind.__name__}, got {got} {value!r}")
+
+
+def convert_text(key: str, text: str, kind: type):
+    try:
+        if kind is bool:
+            return {"true": True, "false": False}[text.strip().lower()]
+        if kind in (int, float):
+            return kind(text)
+        return text
+    except (KeyError, ValueError):
+        raise ConfigError(f"{key} must be {kind.__name__}, got {text!r}") from None
+
+
+def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+    keys = []
+    for f in dataclasses.fields(cls):
+        kind = typing.get_type_hints(cls)[f.name]
+        if dataclasses.is_dataclass(kind):
+            keys += all_keys(kind, f"{prefix}{f.name}.")
+        else:
+            keys.append(f"{prefix}{f.name}")
+    return keys
+
+
+def suggestion(key: str) -> str:
+    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+    if not close:
+        leaf = key.rsplit(".", 1)[-1]
+        close = [k for k in all_keys() if k.rsplit(".", 1)[-1] == leaf]
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def save_config(cfg: Config, path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))

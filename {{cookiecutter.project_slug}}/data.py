@@ -1,0 +1,109 @@
+"""Datasets: edit this file to train on your own data.
+
+`build_datasets(cfg)` returns (train_dataset, val_dataset). Each item is
+(image tensor [C, H, W], integer label). Rules that keep distributed training correct:
+- `__getitem__` returns fresh tensors, never an object the dataset keeps (a caller that
+  mutates it would change the dataset, and workers would copy it on every read).
+- Keep per-sample metadata in tensors or arrays, not Python lists of objects.
+- Draw randomness from torch (e.g. torchvision transforms): loader.py seeds it per sample,
+  so augmentations repeat exactly on resume and never repeat across ranks or workers.
+- Nothing here is distributed: samplers and loaders live in loader.py.
+"""
+
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+from torchvision.transforms import v2
+
+from config import Config, UsageError
+
+MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+
+
+class DataError(UsageError):
+    pass
+
+
+def build_datasets(cfg: Config) -> tuple[Dataset, Dataset]:
+    data = cfg.data
+    train_tf = train_transform(data.image_size, data.augment)
+    val_tf = v2.Normalize(MEAN, STD)
+    if data.name == "synthetic":
+        train = SyntheticImages(data.train_size, data.num_classes, data.image_size, cfg.seed, "train", train_tf)
+        val = SyntheticImages(data.val_size, data.num_classes, data.image_size, cfg.seed, "val", val_tf)
+        return train, val
+    if data.name == "imagefolder":
+        return image_folder(Path(data.root), data.image_size, train_tf)
+    if data.name == "cifar10":
+        return cifar10(Path(data.root), data.download, train_tf, val_tf)
+    raise DataError(f"unknown data.name {data.name!r}: add it to build_datasets in data.py")
+
+
+def train_transform(image_size: int, augment: bool) -> v2.Transform:
+    steps = [v2.RandomCrop(image_size, padding=image_size // 8), v2.RandomHorizontalFlip()] if augment else []
+    return v2.Compose([*steps, v2.Normalize(MEAN, STD)])
+
+
+class SyntheticImages(Dataset):
+    """A learnable image task made from the seed alone: no download, same on every rank.
+
+    Each class is a fixed smooth random pattern; a sample is its class pattern with a
+    random brightness and strong pixel noise, so a model must average over the image to
+    classify it. Stored as one uint8 tensor (not a list of objects).
+    """
+
+    def __init__(self, size, num_classes, image_size, seed, split, transform=None):
+        patterns = smooth_patterns(num_classes, image_size, torch.Generator().manual_seed(seed))
+        g = torch.Generator().manual_seed(seed * 2 + (split == "val") + 1)
+        self.labels = torch.randint(num_classes, (size,), generator=g)
+        brightness = 0.6 + 0.8 * torch.rand(size, 1, 1, 1, generator=g)
+        noise = 1.2 * torch.randn(size, 3, image_size, image_size, generator=g)
+        images = (patterns[self.labels] - 0.5) * brightness + 0.5 + noise
+        self.images = (images.clamp(0, 1) * 255).round().to(torch.uint8)
+        self.transform = transform
+        self.classes = [f"class_{i}" for i in range(num_classes)]
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        image = self.images[index].float().div_(255)  # .float() makes a fresh copy
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, int(self.labels[index])
+
+
+def smooth_patterns(num_classes: int, image_size: int, generator: torch.Generator) -> torch.Tensor:
+    coarse = torch.rand(num_classes, 3, 4, 4, generator=generator)
+    return F.interpolate(coarse, size=(image_size, image_size), mode="bilinear", align_corners=False)
+
+
+def image_folder(root: Path, image_size: int, train_tf) -> tuple[Dataset, Dataset]:
+    """<root>/train/<class>/<image> and <root>/val/<class>/<image>."""
+    from torchvision.datasets import ImageFolder
+
+    resize = [v2.ToImage(), v2.Resize(image_size), v2.CenterCrop(image_size), v2.ToDtype(torch.float32, scale=True)]
+    splits = []
+    for split, tf in (("train", train_tf), ("val", v2.Normalize(MEAN, STD))):
+        folder = root / split
+        if not folder.is_dir():
+            raise DataError(f"data.root: {str(folder)!r} is missing; expected <root>/{split}/<class>/<image files>")
+        try:
+            splits.append(ImageFolder(str(folder), transform=v2.Compose([*resize, tf])))
+        except (FileNotFoundError, OSError) as error:
+            raise DataError(f"data.root: {folder}: {error}") from None
+    return splits[0], splits[1]
+
+
+def cifar10(root: Path, download: bool, train_tf, val_tf) -> tuple[Dataset, Dataset]:
+    from torchvision.datasets import CIFAR10
+
+    to_tensor = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
+    try:
+        train = CIFAR10(str(root), train=True, download=download, transform=v2.Compose([*to_tensor, train_tf]))
+        val = CIFAR10(str(root), train=False, download=download, transform=v2.Compose([*to_tensor, val_tf]))
+    except RuntimeError as error:  # torchvision's "Dataset not found or corrupted"
+        raise DataError(f"cifar10 in {str(root)!r}: {error} (set data.download=true to fetch it)") from None
+    return train, val

@@ -1,0 +1,215 @@
+"""Process-group setup for every way of launching, and the few collectives the loop uses.
+
+One `init_distributed_mode` covers:
+  python train.py                   one process, no process group
+  torchrun ... train.py             RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* from torchrun
+  srun python train.py              SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, master from
+                                    SLURM_JOB_NODELIST (no scontrol needed)
+The state lives in torch.distributed itself; this module keeps none of its own.
+"""
+
+import datetime
+import os
+import re
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from config import ConfigError, DistConfig
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """Where this process stands in the job, read from the launcher's environment."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    launcher: str = "none"  # none | torchrun | slurm
+    master_addr: str = ""  # slurm only: torchrun passes its own through env://
+    master_port: int = 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.launcher != "none"
+
+
+def parse_dist_env(environ: dict) -> DistEnv:
+    """The DistEnv for an environment: torchrun's variables win over SLURM's."""
+    if "RANK" in environ and "WORLD_SIZE" in environ:
+        return DistEnv(
+            rank=int(environ["RANK"]),
+            world_size=int(environ["WORLD_SIZE"]),
+            local_rank=int(environ.get("LOCAL_RANK", 0)),
+            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", 1)),
+            launcher="torchrun",
+        )
+    # SLURM_STEP_ID is set by srun only: a plain `python train.py` in a batch script
+    # (which also sees SLURM_NTASKS) must stay a single process, not wait for peers.
+    if "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ:
+        world_size = int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", 1)))
+        nodes = max(1, int(environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES", 1))))
+        nodelist = environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_JOB_NODELIST", ""))
+        return DistEnv(
+            rank=int(environ["SLURM_PROCID"]),
+            world_size=world_size,
+            local_rank=int(environ.get("SLURM_LOCALID", 0)),
+            local_world_size=int(environ.get("SLURM_NTASKS_PER_NODE", "0").split("(")[0])
+            or -(-world_size // nodes),
+            launcher="slurm",
+            master_addr=environ.get("MASTER_ADDR") or first_host(nodelist) or "127.0.0.1",
+            master_port=int(environ.get("MASTER_PORT") or slurm_port(environ.get("SLURM_JOB_ID"))),
+        )
+    return DistEnv()
+
+
+def slurm_port(job_id: str | None) -> int:
+    """A port derived from the job id, so two jobs sharing a node do not collide."""
+    return 20000 + int(job_id or 0) % 20000
+
+
+def expand_nodelist(nodelist: str) -> list[str]:
+    """Host names from SLURM's compressed form, e.g. 'gpu[01-03,07],cpu5' -> 5 names."""
+    hosts = []
+    # Split on commas that are outside brackets.
+    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", nodelist):
+        hosts += expand_host_pattern(part.strip())
+    return [h for h in hosts if h]
+
+
+def expand_host_pattern(pattern: str) -> list[str]:
+    match = re.search(r"\[([^\]]*)\]", pattern)
+    if not match:
+        return [pattern]
+    head, tail = pattern[: match.start()], pattern[match.end() :]
+    names = []
+    for item in match.group(1).split(","):
+        low, _, high = item.partition("-")
+        numbers = range(int(low), int(high or low) + 1)
+        names += [f"{head}{n:0{len(low)}d}" for n in numbers]
+    # The tail may hold further bracket groups (e.g. rack[1-2]-node[01-02]).
+    return [name + rest for name in names for rest in expand_host_pattern(tail)]
+
+
+def first_host(nodelist: str) -> str:
+    hosts = expand_nodelist(nodelist)
+    return hosts[0] if hosts else ""
+
+
+def select_backend(requested: str, cuda_available: bool) -> str:
+    if requested == "auto":
+        return "nccl" if cuda_available else "gloo"
+    if requested == "nccl" and not cuda_available:
+        raise ConfigError("dist.backend=nccl needs CUDA GPUs; use dist.backend=gloo or auto")
+    return requested
+
+
+def select_device(env: DistEnv, cuda_available: bool) -> torch.device:
+    """One GPU per process, chosen by local rank; the CPU when there is no GPU."""
+    if not cuda_available:
+        return torch.device("cpu")
+    return torch.device("cuda", env.local_rank)
+
+
+def init_distributed_mode(cfg: DistConfig) -> tuple[DistEnv, torch.device]:
+    """Bind this process to its device, then join the process group (if launched)."""
+    env = parse_dist_env(dict(os.environ))
+    cuda = torch.cuda.is_available()
+    device = select_device(env, cuda)
+    if device.type == "cuda":
+        # Before any other CUDA call, so nothing lands on GPU 0 by default.
+        torch.cuda.set_device(device)
+    if env.distributed:
+        dist.init_process_group(
+            backend=select_backend(cfg.backend, cuda),
+            init_method=init_method(env),
+            rank=env.rank,
+            world_size=env.world_size,
+            timeout=datetime.timedelta(minutes=cfg.timeout_minutes),
+            device_id=device if device.type == "cuda" else None,
+        )
+    return env, device
+
+
+def init_method(env: DistEnv) -> str:
+    if env.launcher == "slurm":
+        return f"tcp://{env.master_addr}:{env.master_port}"
+    return "env://"
+
+
+def cleanup_distributed() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def get_rank() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    return parse_dist_env(dict(os.environ)).rank
+
+
+def get_world_size() -> int:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size()
+    return 1
+
+
+def is_main() -> bool:
+    """True on global rank 0: the one process that logs and writes checkpoints."""
+    return get_rank() == 0
+
+
+def barrier(device: torch.device) -> None:
+    if get_world_size() > 1:
+        # On CUDA, name the device: a bare barrier would guess, and may pick GPU 0.
+        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
+
+
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """Sum `tensor` over all processes, in place; every rank must call this."""
+    if get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_gather_objects(obj) -> list:
+    """Every rank's `obj`, in rank order; every rank must call this."""
+    if get_world_size() == 1:
+        return [obj]
+    gathered = [None] * get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered
+
+
+def use_sync_batchnorm(requested: bool, device: torch.device, world_size: int) -> bool:
+    """SyncBatchNorm only where it works and helps: several processes on CUDA GPUs."""
+    return requested and device.type == "cuda" and world_size > 1
+
+
+def has_batchnorm(model: torch.nn.Module) -> bool:
+    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def wrap_model(model: torch.nn.Module, env: DistEnv, device: torch.device, sync_bn: bool):
+    """SyncBatchNorm conversion, then the move to the device, then DDP (in that order:
+    DDP must see the final modules on their final device).
+
+    Returns (model, ddp_model): the plain module for saving and evaluation, and the one
+    to train (the same module when there is a single process).
+    """
+    if use_sync_batchnorm(sync_bn, device, env.world_size):
+        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    elif sync_bn and env.world_size > 1 and has_batchnorm(model) and is_main():
+        print(
+            "note: SyncBatchNorm needs CUDA GPUs, so it is skipped here; "
+            "each process normalises with its own batch statistics",
+            flush=True,
+        )
+    model.to(device)
+    if env.world_size == 1:
+        return model, model
+    device_ids = [device.index] if device.type == "cuda" else None
+    return model, DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)

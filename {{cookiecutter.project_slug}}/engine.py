@@ -1,0 +1,129 @@
+"""The training step loop and exact distributed evaluation."""
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from config import Config
+from distributed import all_reduce_sum
+from optim import autocast
+
+
+@dataclass
+class TrainState:
+    """Everything a checkpoint must hold to continue the run exactly."""
+
+    model: nn.Module  # unwrapped: what is saved and evaluated
+    ddp_model: nn.Module  # what is trained (the DDP wrapper when world_size > 1)
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    epoch: int = 0  # epoch in progress
+    batches_done: int = 0  # micro-batches of `epoch` already trained
+    step: int = 0  # optimizer steps taken in the whole run
+    best_acc: float = -1.0
+    stopped_early: bool = field(default=False, compare=False)
+
+    def state_dict(self) -> dict:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "epoch": self.epoch,
+            "batches_done": self.batches_done,
+            "step": self.step,
+            "best_acc": self.best_acc,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Optimizer, schedule and position; the model weights are loaded separately."""
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.epoch = state["epoch"]
+        self.batches_done = state["batches_done"]
+        self.step = state["step"]
+        self.best_acc = state["best_acc"]
+
+
+def train_one_epoch(state: TrainState, loader, cfg: Config, device, progress, on_step) -> dict:
+    """Train from `state.batches_done` to the end of `state.epoch` (or to stop_at_step).
+
+    Gradients of `accum_steps` micro-batches are summed locally (DDP's no_sync skips the
+    all-reduce) and averaged across ranks on the last one, so one optimizer step sees the
+    mean loss over batch_size * world_size * accum_steps samples.
+    """
+    state.ddp_model.train()
+    accum = cfg.train.accum_steps
+    loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+    batches, start = 0, time.perf_counter()
+    for images, labels in loader:
+        images = images.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        last_micro_batch = (state.batches_done + 1) % accum == 0
+        with gradient_sync(state.ddp_model, enabled=last_micro_batch):
+            with autocast(cfg.train.precision, device):
+                loss = F.cross_entropy(state.ddp_model(images), labels)
+            state.scaler.scale(loss / accum).backward()
+        loss_sum += loss.detach()
+        state.batches_done += 1
+        batches += 1
+        if last_micro_batch:
+            optimizer_step(state, cfg.train.grad_clip)
+            progress.step(state.step, loss.detach(), state.scheduler.get_last_lr()[0])
+            on_step(state)
+            if state.step == cfg.train.stop_at_step:
+                state.stopped_early = True
+                break
+    elapsed = time.perf_counter() - start
+    totals = all_reduce_sum(torch.stack([loss_sum, torch.tensor(batches, dtype=torch.float64, device=device)]))
+    samples = totals[1].item() * cfg.train.batch_size
+    return {"train_loss": (totals[0] / totals[1].clamp(min=1)).item(), "samples_per_s": samples / max(elapsed, 1e-9)}
+
+
+def gradient_sync(model: nn.Module, enabled: bool):
+    """DDP's all-reduce runs in backward; skip it on micro-batches that only accumulate."""
+    if enabled or not isinstance(model, DDP):
+        return contextlib.nullcontext()
+    return model.no_sync()
+
+
+def optimizer_step(state: TrainState, grad_clip: float) -> None:
+    if grad_clip > 0:
+        state.scaler.unscale_(state.optimizer)  # clip true gradients, not scaled ones
+        torch.nn.utils.clip_grad_norm_(state.model.parameters(), grad_clip)
+    state.scaler.step(state.optimizer)
+    state.scaler.update()
+    state.optimizer.zero_grad(set_to_none=True)
+    state.scheduler.step()
+    state.step += 1
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, loader, device, precision: str) -> dict:
+    """Loss and accuracy over the whole validation set, each sample counted once.
+
+    Pass the unwrapped model: DDP's forward may broadcast buffers, a collective that
+    would hang when ranks hold shards of different lengths. The only collective here is
+    the final all-reduce, which every rank reaches.
+    """
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
+    for images, labels in loader:
+        images = images.to(device, non_blocking=True)
+        labels = labels.to(device, non_blocking=True)
+        with autocast(precision, device):
+            logits = model(images)
+        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+        totals[1] += (logits.argmax(dim=1) == labels).sum()
+        totals[2] += labels.numel()
+    all_reduce_sum(totals)
+    loss_sum, correct, count = totals.tolist()
+    count = max(count, 1.0)
+    return {"val_loss": loss_sum / count, "val_acc": correct / count, "num_samples": int(totals[2].item())}

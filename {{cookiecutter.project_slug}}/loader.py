@@ -1,0 +1,123 @@
+"""Samplers and DataLoaders: how samples reach each rank, in which order.
+
+Training: every rank draws from one permutation per epoch (DistributedSampler with the
+run's seed and `set_epoch`), rank r taking every world_size-th index. So optimizer step s
+sees the same samples whatever the world size, as long as the effective batch
+(batch_size * world_size * accum_steps) is the same. Only whole optimizer steps are
+drawn; the tail of an epoch (fewer samples than one effective batch) is skipped.
+
+Evaluation: every sample exactly once, no padding, no dropped tail; ranks may get
+shards that differ in length by one.
+"""
+
+import dataclasses
+
+import torch
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+
+from config import Config
+from data import DataError
+from distributed import DistEnv
+from seeding import derive_seed
+
+
+class TrainSampler(DistributedSampler):
+    """DistributedSampler that draws exactly `num_batches` batches, can start mid-epoch,
+    and tags each index with its epoch (for per-sample seeding)."""
+
+    def __init__(self, dataset, env: DistEnv, seed: int, batch_size: int, num_batches: int):
+        super().__init__(dataset, env.world_size, env.rank, shuffle=True, seed=seed, drop_last=True)
+        self.batch_size = batch_size
+        self.num_batches = num_batches
+        self.start_batch = 0
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Call before every epoch: it picks the epoch's permutation (and resume point)."""
+        super().set_epoch(epoch)
+        self.start_batch = start_batch
+
+    def __iter__(self):
+        indices = list(super().__iter__())
+        begin, end = self.start_batch * self.batch_size, self.num_batches * self.batch_size
+        return ((self.epoch, index) for index in indices[begin:end])
+
+    def __len__(self):
+        return (self.num_batches - self.start_batch) * self.batch_size
+
+
+class SeededSamples(Dataset):
+    """Makes sample (epoch, index) with torch's RNG seeded from (seed, epoch, index), so
+    random augmentations are a pure function of the sample, not of who loads it."""
+
+    def __init__(self, dataset: Dataset, seed: int):
+        self.dataset = dataset
+        self.seed = seed
+
+    def __len__(self):
+        return len(self.dataset)
+
+    def __getitem__(self, key):
+        epoch, index = key
+        with torch.random.fork_rng(devices=[]):  # leave the caller's RNG untouched
+            torch.manual_seed(derive_seed(self.seed, epoch, index))
+            return self.dataset[index]
+
+
+class ShardSampler(Sampler):
+    """Rank r evaluates indices r, r + world_size, ...: every sample once, none padded."""
+
+    def __init__(self, length: int, env: DistEnv):
+        self.indices = range(env.rank, length, env.world_size)
+
+    def __iter__(self):
+        return iter(self.indices)
+
+    def __len__(self):
+        return len(self.indices)
+
+
+def micro_batches_per_epoch(dataset_size: int, cfg: Config, env: DistEnv) -> int:
+    """Micro-batches each rank runs per epoch: whole optimizer steps only."""
+    effective_batch = cfg.train.batch_size * env.world_size * cfg.train.accum_steps
+    steps = dataset_size // effective_batch
+    if steps == 0:
+        raise DataError(
+            f"the training set has {dataset_size} samples, fewer than one effective batch "
+            f"({cfg.train.batch_size} x {env.world_size} processes x {cfg.train.accum_steps} "
+            f"accum_steps = {effective_batch}); lower train.batch_size or train.accum_steps"
+        )
+    return steps * cfg.train.accum_steps
+
+
+def build_train_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device) -> DataLoader:
+    sampler = TrainSampler(
+        dataset, env, cfg.seed, cfg.train.batch_size, micro_batches_per_epoch(len(dataset), cfg, env)
+    )
+    return make_loader(SeededSamples(dataset, cfg.seed), sampler, cfg.train.batch_size, cfg, device)
+
+
+def build_val_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device) -> DataLoader:
+    sampler = ShardSampler(len(dataset), env)
+    return make_loader(dataset, sampler, cfg.train.eval_batch_size, cfg, device)
+
+
+def make_loader(dataset, sampler, batch_size: int, cfg: Config, device: torch.device) -> DataLoader:
+    workers = cfg.data.num_workers
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=sampler,
+        num_workers=workers,
+        pin_memory=device.type == "cuda",  # pinned host memory only helps copies to a GPU
+        persistent_workers=workers > 0,  # no worker start-up cost at every epoch
+        prefetch_factor=2 if workers > 0 else None,
+        drop_last=False,  # TrainSampler already yields whole batches only
+    )
+
+
+def with_num_classes(cfg: Config, train_set: Dataset) -> Config:
+    """The config with data.num_classes read from datasets that know their classes."""
+    classes = getattr(train_set, "classes", None)
+    if classes is None or len(classes) == cfg.data.num_classes:
+        return cfg
+    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_classes=len(classes)))

@@ -1,0 +1,56 @@
+"""Where randomness comes from, so that runs repeat exactly.
+
+- Model initialisation: the same `seed` on every rank (DDP also broadcasts rank 0's).
+- Dropout and other in-model randomness: seeded per (seed, rank, epoch) at each epoch's
+  start, and each rank's state is stored in step checkpoints for mid-epoch resume.
+- Data augmentation: seeded per (seed, epoch, sample index) right before the sample is
+  made (loader.py), so it does not depend on the rank, the worker or the world size.
+"""
+
+import hashlib
+import os
+import random
+
+import torch
+
+
+def derive_seed(*parts: int) -> int:
+    """A well-mixed 63-bit seed from integers; nearby inputs give unrelated seeds."""
+    text = "/".join(str(int(p)) for p in parts).encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
+def seed_everything(seed: int) -> None:
+    """Seed torch (CPU and every GPU) and Python's `random`."""
+    torch.manual_seed(seed)
+    random.seed(seed)
+
+
+def capture_rng_state() -> dict:
+    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+def restore_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(to_tuples(state["python"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+def to_tuples(value):
+    """random.setstate wants the nested tuples it gave; a checkpoint may return lists."""
+    if isinstance(value, (list, tuple)):
+        return tuple(to_tuples(v) for v in value)
+    return value
+
+
+def set_determinism(enabled: bool, device: torch.device) -> None:
+    """PyTorch's deterministic algorithms (slower on GPU; errors on ops that have none)."""
+    if enabled and device.type == "cuda":
+        # cuBLAS needs a fixed workspace to be deterministic; read when it starts.
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.backends.cudnn.benchmark = False
+    torch.use_deterministic_algorithms(enabled)

@@ -1,0 +1,68 @@
+import pytest
+
+from config import Config, ConfigError, load_config, save_config
+
+CONFIG_YAML = "config.yaml"
+
+
+def test_shipped_config_loads(tmp_path):
+    cfg = load_config(CONFIG_YAML)
+    assert isinstance(cfg, Config)
+    assert cfg.data.name == "synthetic" and cfg.checkpoint.resume == "auto"
+
+
+def test_overrides_are_typed_from_the_schema():
+    cfg = load_config(CONFIG_YAML, ["train.lr=0.25", "train.epochs=7", "data.augment=false", "output_dir=x"])
+    assert cfg.train.lr == 0.25 and isinstance(cfg.train.lr, float)
+    assert cfg.train.epochs == 7 and cfg.data.augment is False and cfg.output_dir == "x"
+
+
+def test_yaml_float_without_dot_is_accepted(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  lr: 1e-3\n")
+    assert load_config(path).train.lr == pytest.approx(1e-3)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.lrr=0.1", "unknown config key 'train.lrr' (did you mean 'train.lr'?)"),
+        ("lr=0.1", "unknown config key 'lr' (did you mean 'train.lr'?)"),
+        ("train.epochs=ten", "train.epochs must be int, got 'ten'"),
+        ("data.augment=maybe", "data.augment must be bool, got 'maybe'"),
+        ("train.batch_size=0", "train.batch_size must be > 0, got 0"),
+        ("train.lr=-1", "train.lr must be > 0, got -1.0"),
+        ("data.name=imagenet", "data.name must be one of synthetic, imagefolder, cifar10; got 'imagenet'"),
+        ("train=3", "train must be a section (key: value lines)"),
+        ("train.lr", "override 'train.lr' is not of the form section.key=value"),
+    ],
+)
+def test_bad_override_names_the_key(override, message):
+    with pytest.raises(ConfigError) as error:
+        load_config(CONFIG_YAML, [override])
+    assert str(error.value) == message
+
+
+def test_wrong_type_in_yaml(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("train:\n  epochs: 2.5\n")
+    with pytest.raises(ConfigError, match=r"^train.epochs must be int, got float 2.5$"):
+        load_config(path)
+
+
+def test_yaml_syntax_error_gives_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("seed: 1\ntrain:\n  lr: [0.1\n  epochs: 2\n")
+    with pytest.raises(ConfigError, match=r"c.yaml line \d+: YAML syntax error"):
+        load_config(path)
+
+
+def test_missing_file():
+    with pytest.raises(ConfigError, match=r"config file 'nope.yaml' not found"):
+        load_config("nope.yaml")
+
+
+def test_resolved_config_round_trips(tmp_path):
+    cfg = load_config(CONFIG_YAML, ["train.lr=0.3"])
+    save_config(cfg, tmp_path / "resolved.yaml")
+    assert load_config(tmp_path / "resolved.yaml") == cfg

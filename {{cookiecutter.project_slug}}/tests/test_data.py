@@ -1,0 +1,72 @@
+import torch
+
+from config import load_config
+from data import build_datasets
+from distributed import DistEnv
+from loader import SeededSamples, ShardSampler, TrainSampler, micro_batches_per_epoch
+
+
+def datasets(*overrides):
+    return build_datasets(load_config(None, ["data.train_size=64", "data.val_size=13", *overrides]))
+
+
+def test_synthetic_data_is_made_from_the_seed():
+    a, _ = datasets()
+    b, _ = datasets()
+    c, _ = datasets("seed=1")
+    assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
+    assert not torch.equal(a.images, c.images)
+
+
+def test_samples_are_fresh_copies():
+    train, _ = datasets("data.augment=false")
+    image, label = train[3]
+    before = train[3][0].clone()
+    image.mul_(0).add_(7)
+    assert torch.equal(train[3][0], before)
+
+
+def test_augmentation_is_a_function_of_seed_epoch_and_index():
+    train, _ = datasets()
+    seeded = SeededSamples(train, seed=0)
+    state = torch.get_rng_state()
+    first = seeded[(0, 5)][0]
+    assert torch.equal(torch.get_rng_state(), state)  # caller's RNG untouched
+    assert torch.equal(seeded[(0, 5)][0], first)
+    assert not torch.equal(seeded[(1, 5)][0], first)
+
+
+def test_train_batches_do_not_depend_on_world_size():
+    train, _ = datasets()
+    cfg = load_config(None, ["train.batch_size=8"])
+
+    def global_batches(world_size, batch_size):
+        ranks = []
+        for rank in range(world_size):
+            env = DistEnv(rank=rank, world_size=world_size, launcher="torchrun")
+            sampler = TrainSampler(train, env, seed=0, batch_size=batch_size, num_batches=64 // (world_size * batch_size))
+            sampler.set_epoch(3)
+            indices = [index for _, index in sampler]
+            ranks.append([indices[i : i + batch_size] for i in range(0, len(indices), batch_size)])
+        return [sorted(sum(step, [])) for step in zip(*ranks)]
+
+    assert global_batches(1, 16) == global_batches(2, 8) == global_batches(4, 4)
+    assert micro_batches_per_epoch(64, cfg, DistEnv(world_size=2, launcher="torchrun")) == 4
+
+
+def test_train_sampler_changes_order_every_epoch_and_resumes_mid_epoch():
+    train, _ = datasets()
+    sampler = TrainSampler(train, DistEnv(), seed=0, batch_size=8, num_batches=8)
+    sampler.set_epoch(0)
+    epoch0 = [i for _, i in sampler]
+    sampler.set_epoch(1)
+    epoch1 = [i for _, i in sampler]
+    assert epoch0 != epoch1 and sorted(epoch0) == sorted(epoch1)
+    sampler.set_epoch(1, start_batch=3)
+    assert [i for _, i in sampler] == epoch1[24:] and len(sampler) == 40
+
+
+def test_eval_shards_cover_every_sample_once():
+    for world_size in (1, 2, 3, 5):
+        shards = [list(ShardSampler(13, DistEnv(rank=r, world_size=world_size))) for r in range(world_size)]
+        assert sorted(sum(shards, [])) == list(range(13))

@@ -1,0 +1,102 @@
+import pytest
+import torch
+
+from config import ConfigError
+from distributed import (
+    DistEnv,
+    expand_nodelist,
+    parse_dist_env,
+    select_backend,
+    select_device,
+    use_sync_batchnorm,
+)
+
+
+def test_plain_python_is_one_process():
+    assert parse_dist_env({}) == DistEnv()
+    assert not parse_dist_env({}).distributed
+
+
+def test_torchrun_variables():
+    env = parse_dist_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.launcher) == (5, 8, 1, 4, "torchrun")
+
+
+SRUN_TASK = {
+    "SLURM_PROCID": "3",
+    "SLURM_NTASKS": "4",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "1",
+    "SLURM_STEP_ID": "0",
+    "SLURM_NNODES": "2",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_JOB_ID": "123456",
+}
+
+
+def test_srun_task():
+    env = parse_dist_env(SRUN_TASK)
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 4, 1, 2)
+    assert env.launcher == "slurm" and env.master_addr == "gpu07"
+    assert env.master_port == 20000 + 123456 % 20000
+
+
+def test_torchrun_inside_slurm_uses_torchrun_variables():
+    env = parse_dist_env({**SRUN_TASK, "RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+    assert env.launcher == "torchrun" and env.world_size == 2
+
+
+def test_python_in_a_batch_script_is_one_process():
+    # A batch script sees the job's SLURM_NTASKS but is not an srun step.
+    batch = {k: v for k, v in SRUN_TASK.items() if k != "SLURM_STEP_ID"} | {"SLURM_PROCID": "0"}
+    assert parse_dist_env(batch) == DistEnv()
+
+
+def test_explicit_master_address_wins():
+    env = parse_dist_env({**SRUN_TASK, "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234"})
+    assert (env.master_addr, env.master_port) == ("10.0.0.1", 1234)
+
+
+@pytest.mark.parametrize(
+    "nodelist, hosts",
+    [
+        ("node01", ["node01"]),
+        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
+        ("gpu[9-11]", ["gpu9", "gpu10", "gpu11"]),
+        ("a[1-2],b7,c[003,010]", ["a1", "a2", "b7", "c003", "c010"]),
+        ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+        ("host-a,host-b", ["host-a", "host-b"]),
+    ],
+)
+def test_nodelist_forms(nodelist, hosts):
+    assert expand_nodelist(nodelist) == hosts
+
+
+def test_backend_and_device_selection():
+    assert select_backend("auto", cuda_available=True) == "nccl"
+    assert select_backend("auto", cuda_available=False) == "gloo"
+    assert select_backend("gloo", cuda_available=True) == "gloo"
+    with pytest.raises(ConfigError, match="nccl needs CUDA"):
+        select_backend("nccl", cuda_available=False)
+    env = DistEnv(rank=5, world_size=8, local_rank=1, launcher="torchrun")
+    assert select_device(env, cuda_available=True) == torch.device("cuda", 1)
+    assert select_device(env, cuda_available=False) == torch.device("cpu")
+
+
+def test_sync_batchnorm_only_on_several_gpus():
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    assert use_sync_batchnorm(True, cuda, world_size=2)
+    assert not use_sync_batchnorm(True, cuda, world_size=1)
+    assert not use_sync_batchnorm(True, cpu, world_size=2)
+    assert not use_sync_batchnorm(False, cuda, world_size=2)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
+def test_wrap_model_on_gpu_converts_nothing_for_one_process():
+    from distributed import wrap_model
+    from model import small_image_resnet18
+
+    model, ddp_model = wrap_model(small_image_resnet18(10), DistEnv(), torch.device("cuda", 0), sync_bn=True)
+    assert ddp_model is model
+    assert next(model.parameters()).device == torch.device("cuda", 0)
+    assert not any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())

@@ -1,0 +1,122 @@
+"""Train a classifier with DistributedDataParallel.
+
+  python train.py [--config config.yaml] [section.key=value ...]    one process
+  torchrun --nproc_per_node=4 train.py [section.key=value ...]     4 processes, this machine
+  srun python train.py [section.key=value ...]                     one process per SLURM task
+
+Re-running with the same output_dir continues from its last checkpoint
+(checkpoint.resume=auto).
+"""
+
+import argparse
+from pathlib import Path
+
+from torch.distributed.elastic.multiprocessing.errors import record
+
+from checkpoint import resume_train_state, save_train_state
+from config import load_config, save_config
+from data import build_datasets
+from distributed import cleanup_distributed, init_distributed_mode, is_main, wrap_model
+from engine import TrainState, evaluate, train_one_epoch
+from loader import build_train_loader, build_val_loader, with_num_classes
+from logs import exit_on_usage_error, log, make_metrics_log, make_progress
+from model import build_model
+from optim import build_grad_scaler, build_optimizer, build_scheduler, check_precision
+from seeding import derive_seed, seed_everything, set_determinism
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", default="config.yaml", help="YAML config (default: config.yaml)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. train.lr=0.05")
+    return parser.parse_args(argv)
+
+
+@record  # the failing rank's traceback reaches torchrun's summary
+@exit_on_usage_error
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    cfg = load_config(args.config, args.overrides)
+    env, device = init_distributed_mode(cfg.dist)
+    try:
+        check_precision(cfg, device)
+        set_determinism(cfg.train.deterministic, device)
+
+        train_set, val_set = build_datasets(cfg)
+        cfg = with_num_classes(cfg, train_set)
+        train_loader = build_train_loader(train_set, cfg, env, device)
+        val_loader = build_val_loader(val_set, cfg, env, device)
+        steps_per_epoch = train_loader.sampler.num_batches // cfg.train.accum_steps
+
+        seed_everything(cfg.seed)  # identical initial weights on every rank
+        model, ddp_model = wrap_model(build_model(cfg), env, device, cfg.model.sync_bn)
+
+        optimizer = build_optimizer(model, cfg.train)
+        scheduler = build_scheduler(optimizer, cfg.train, steps_per_epoch)
+        state = TrainState(model, ddp_model, optimizer, scheduler, build_grad_scaler(cfg.train.precision, device))
+
+        rng_restored = resume_train_state(state, cfg, env.rank, env.world_size)
+        if is_main():
+            save_config(cfg, Path(cfg.output_dir) / "config.yaml")
+        log(
+            f"training on {env.world_size} process(es), {device.type}; {len(train_set)} train / "
+            f"{len(val_set)} val samples; effective batch "
+            f"{cfg.train.batch_size * env.world_size * cfg.train.accum_steps}; {steps_per_epoch} steps/epoch"
+        )
+
+        metrics_log = make_metrics_log(cfg.output_dir)
+        while state.epoch < cfg.train.epochs and not state.stopped_early:
+            if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
+                seed_everything(derive_seed(cfg.seed, env.rank, state.epoch))
+            rng_restored = False
+            record_ = run_epoch(state, cfg, env, device, train_loader, val_loader, steps_per_epoch)
+            if record_:
+                metrics_log.write(record_)
+                log(format_record(record_))
+    finally:
+        cleanup_distributed()
+
+
+def run_epoch(state, cfg, env, device, train_loader, val_loader, steps_per_epoch) -> dict | None:
+    """Train the rest of the current epoch, evaluate, checkpoint. Returns the metrics
+    record, or None when training stopped at train.stop_at_step (after a checkpoint)."""
+    epoch = state.epoch
+    train_loader.sampler.set_epoch(epoch, start_batch=state.batches_done)
+    progress = make_progress(epoch, steps_per_epoch, state.batches_done // cfg.train.accum_steps, cfg.train.log_every_steps)
+
+    def on_step(state):
+        if cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0:
+            save_train_state(state, cfg, env.world_size)
+
+    try:
+        train_stats = train_one_epoch(state, train_loader, cfg, device, progress, on_step)
+    finally:
+        progress.close()
+    if state.stopped_early:
+        save_train_state(state, cfg, env.world_size)
+        log(f"stopped at step {state.step} (train.stop_at_step); rerun to continue")
+        return None
+    val_stats = evaluate(state.model, val_loader, device, cfg.train.precision)
+    state.epoch, state.batches_done = epoch + 1, 0
+    is_best = val_stats["val_acc"] > state.best_acc
+    state.best_acc = max(state.best_acc, val_stats["val_acc"])
+    save_train_state(state, cfg, env.world_size, is_best=is_best)
+    return {
+        "epoch": epoch,
+        "step": state.step,
+        **train_stats,
+        **val_stats,
+        "lr": state.scheduler.get_last_lr()[0],
+    }
+
+
+def format_record(record_: dict) -> str:
+    return (
+        f"epoch {record_['epoch']}: train_loss {record_['train_loss']:.4f}  val_loss {record_['val_loss']:.4f}  "
+        f"val_acc {record_['val_acc']:.4f} ({record_['num_samples']} samples)  "
+        f"{record_['samples_per_s']:.0f} samples/s"
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -57,7 +57,7 @@ def parse_dist_env(environ: dict) -> DistEnv:
             rank=int(environ["SLURM_PROCID"]),
             world_size=world_size,
             local_rank=int(environ.get("SLURM_LOCALID", 0)),
-            local_world_size=int(environ.get("SLURM_NTASKS_PER_NODE", "0").split("(")[0])
+            local_world_size=int(re.split(r"[(,]", environ.get("SLURM_STEP_TASKS_PER_NODE", "0"))[0])
             or -(-world_size // nodes),
             launcher="slurm",
             master_addr=environ.get("MASTER_ADDR") or first_host(nodelist) or "127.0.0.1",

@@ -112,6 +112,9 @@ def make_loader(dataset, sampler, batch_size: int, cfg: Config, device: torch.de
         persistent_workers=workers > 0,  # no worker start-up cost at every epoch
         prefetch_factor=2 if workers > 0 else None,
         drop_last=False,  # TrainSampler already yields whole batches only
+        # Its own generator: creating an iterator must not draw from the global RNG, or
+        # a resumed run's dropout would diverge from the uninterrupted run's.
+        generator=torch.Generator().manual_seed(cfg.seed),
     )
 
 

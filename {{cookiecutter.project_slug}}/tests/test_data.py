@@ -4,6 +4,7 @@ from config import load_config
 from data import build_datasets
 from distributed import DistEnv
 from loader import SeededSamples, ShardSampler, TrainSampler, micro_batches_per_epoch
+from seeding import derive_seed
 
 
 def datasets(*overrides):
@@ -70,3 +71,11 @@ def test_eval_shards_cover_every_sample_once():
     for world_size in (1, 2, 3, 5):
         shards = [list(ShardSampler(13, DistEnv(rank=r, world_size=world_size))) for r in range(world_size)]
         assert sorted(sum(shards, [])) == list(range(13))
+
+
+def test_every_sample_of_every_epoch_has_its_own_random_stream():
+    # Augmentation is seeded per (seed, epoch, index), so no two ranks or workers (which
+    # always load different indices) can draw the same random numbers.
+    seeds = {derive_seed(0, epoch, index) for epoch in range(3) for index in range(5000)}
+    assert len(seeds) == 3 * 5000
+    assert derive_seed(0, 1, 2) == derive_seed(0, 1, 2) != derive_seed(1, 1, 2)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from config import UsageError, to_dict
-from distributed import all_gather_objects, is_main
+from distributed import all_gather_objects, run_on_main
 from logs import log
 from seeding import capture_rng_state, restore_rng_state
 
@@ -36,13 +36,17 @@ def checkpoint_dir(output_dir: str | Path) -> Path:
 
 def save_checkpoint(state: dict, directory: Path, step: int, keep_last: int, is_best: bool) -> Path:
     """Write `state` as step-<step>.pt, then point last.pt (and best.pt) at it. Rank 0 only."""
-    directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"step-{step:08d}.pt"
-    atomic_write(directory, path.name, lambda f: torch.save(state, f))
-    publish(path, directory / "last.pt")
-    if is_best:
-        publish(path, directory / "best.pt")
-    prune(directory, keep_last)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        atomic_write(directory, path.name, lambda f: torch.save(state, f))
+        publish(path, directory / "last.pt")
+        if is_best:
+            publish(path, directory / "best.pt")
+        prune(directory, keep_last)
+    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
+        reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
+        raise CheckpointError(f"cannot write {str(path)!r}: {reason}") from None
     return path
 
 
@@ -118,11 +122,6 @@ def load_checkpoint(path: str | Path) -> dict:
     return state
 
 
-def find_resume_checkpoint(directory: Path) -> Path | None:
-    last = directory / "last.pt"
-    return last if last.is_file() else None
-
-
 def strip_prefixes(state_dict: dict) -> dict:
     """Model weights without wrapper prefixes, so any wrapping loads any other."""
     clean = {}
@@ -155,27 +154,65 @@ def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) ->
     model.load_state_dict(weights)
 
 
-def save_train_state(state, cfg, world_size: int, is_best: bool = False) -> None:
-    """Checkpoint the run. Every rank must call this (it gathers every rank's RNG state);
-    only rank 0 writes."""
+def save_train_state(state, cfg, world_size: int, device, is_best: bool = False) -> None:
+    """Checkpoint the run. Every rank must call this (it gathers every rank's RNG state,
+    and all ranks stop together if rank 0 cannot write)."""
     rng_states = all_gather_objects(capture_rng_state())
-    if is_main():
-        payload = {
-            **state.state_dict(),
-            "config": to_dict(cfg),
-            "world_size": world_size,
-            "rng": rng_states,
-        }
-        save_checkpoint(payload, checkpoint_dir(cfg.output_dir), state.step, cfg.checkpoint.keep_last, is_best)
+    payload = {**state.state_dict(), "config": to_dict(cfg), "world_size": world_size, "rng": rng_states}
+    directory = checkpoint_dir(cfg.output_dir)
+    try:
+        run_on_main(lambda: save_checkpoint(payload, directory, state.step, cfg.checkpoint.keep_last, is_best), device)
+    except UsageError as error:
+        raise CheckpointError(
+            f"checkpoint not saved ({error}); free disk space or choose a writable output_dir "
+            "(earlier checkpoints are intact)"
+        ) from None
 
 
-def resume_path(cfg) -> Path | None:
-    """The checkpoint to continue from: checkpoint.resume is auto, none or a path."""
+def load_resume_checkpoint(cfg) -> tuple[Path, dict] | None:
+    """The checkpoint to continue from (checkpoint.resume: auto, none or a path).
+
+    auto takes last.pt in output_dir; if it is unreadable (a truncated copy, a full disk),
+    it says so and falls back to the newest readable step checkpoint.
+    """
     if cfg.checkpoint.resume == "none":
         return None
-    if cfg.checkpoint.resume == "auto":
-        return find_resume_checkpoint(checkpoint_dir(cfg.output_dir))
-    return Path(cfg.checkpoint.resume)
+    if cfg.checkpoint.resume != "auto":
+        path = Path(cfg.checkpoint.resume)
+        return path, load_checkpoint(path)
+    directory = checkpoint_dir(cfg.output_dir)
+    candidates = [directory / "last.pt", *reversed(step_checkpoints(directory))]
+    candidates = [path for path in candidates if path.is_file()]
+    for path in candidates:
+        try:
+            return path, load_checkpoint(path)
+        except CheckpointError as error:
+            log(f"warning: {error}; trying an older checkpoint")
+    if candidates:
+        raise CheckpointError(
+            f"no readable checkpoint in {str(directory)!r}; move it away to start over, "
+            "or set checkpoint.resume=PATH"
+        )
+    return None
+
+
+# Settings that change what a checkpoint's weights mean; resuming across them is refused.
+IDENTITY_KEYS = ("seed", "model", "data")
+FREE_DATA_KEYS = ("root", "download", "num_workers")  # where and how data is read
+
+
+def config_changes(saved: dict, current: dict) -> list[str]:
+    """'section.key: old -> new' for each identity setting that differs."""
+    changes = []
+    for key in IDENTITY_KEYS:
+        old, new = saved.get(key), current.get(key)
+        if isinstance(new, dict):
+            for sub in sorted(set(old or {}) | set(new)):
+                if not (key == "data" and sub in FREE_DATA_KEYS) and (old or {}).get(sub) != new.get(sub):
+                    changes.append(f"{key}.{sub}: {(old or {}).get(sub)!r} -> {new.get(sub)!r}")
+        elif old != new:
+            changes.append(f"{key}: {old!r} -> {new!r}")
+    return changes
 
 
 def resume_train_state(state, cfg, rank: int, world_size: int) -> bool:
@@ -183,14 +220,21 @@ def resume_train_state(state, cfg, rank: int, world_size: int) -> bool:
 
     Returns True when the RNG state was restored (mid-epoch resume, same world size).
     """
-    path = resume_path(cfg)
-    if path is None:
+    found = load_resume_checkpoint(cfg)
+    if found is None:
         if cfg.checkpoint.init_from:
             ckpt = load_checkpoint(cfg.checkpoint.init_from)
             load_model_weights(state.model, ckpt["model"], cfg.checkpoint.init_from)
             log(f"initialised model weights from {cfg.checkpoint.init_from} (fine-tuning)")
         return False
-    ckpt = load_checkpoint(path)
+    path, ckpt = found
+    changes = config_changes(ckpt["config"], to_dict(cfg))
+    if changes:
+        raise CheckpointError(
+            f"{path} was trained with other settings ({changes[0]}"
+            f"{f' and {len(changes) - 1} more' if len(changes) > 1 else ''}); use a new output_dir, "
+            f"or checkpoint.resume=none checkpoint.init_from={path} to start from its weights only"
+        )
     load_model_weights(state.model, ckpt["model"], str(path))
     state.load_state_dict(ckpt)
     log(f"resumed from {path}: epoch {state.epoch}, step {state.step}")

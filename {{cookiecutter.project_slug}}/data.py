@@ -88,13 +88,35 @@ def image_folder(root: Path, image_size: int, train_tf) -> tuple[Dataset, Datase
     splits = []
     for split, tf in (("train", train_tf), ("val", v2.Normalize(MEAN, STD))):
         folder = root / split
-        if not folder.is_dir():
-            raise DataError(f"data.root: {str(folder)!r} is missing; expected <root>/{split}/<class>/<image files>")
-        try:
-            splits.append(ImageFolder(str(folder), transform=v2.Compose([*resize, tf])))
-        except (FileNotFoundError, OSError) as error:
-            raise DataError(f"data.root: {folder}: {error}") from None
+        check_class_folders(folder, split)
+        splits.append(ImageFolder(str(folder), transform=v2.Compose([*resize, tf]), loader=read_image))
     return splits[0], splits[1]
+
+
+def check_class_folders(folder: Path, split: str) -> None:
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    if not folder.is_dir():
+        raise DataError(f"data.root: {str(folder)!r} is missing; expected <root>/{split}/<class>/<image files>")
+    classes = sorted(p for p in folder.iterdir() if p.is_dir())
+    if not classes:
+        raise DataError(f"data.root: {str(folder)!r} has no class folders; expected {folder}/<class>/<image files>")
+    for class_dir in classes:
+        if not any(f.suffix.lower() in IMG_EXTENSIONS for f in class_dir.rglob("*") if f.is_file()):
+            raise DataError(
+                f"data.root: class folder {str(class_dir)!r} has no images ({', '.join(IMG_EXTENSIONS)}); "
+                "add some or remove the folder"
+            )
+
+
+def read_image(path: str):
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (OSError, ValueError) as error:
+        raise DataError(f"cannot read image {path}: {error}") from None
 
 
 def cifar10(root: Path, download: bool, train_tf, val_tf) -> tuple[Dataset, Dataset]:

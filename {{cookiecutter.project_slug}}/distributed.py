@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from config import ConfigError, DistConfig
+from config import ConfigError, DistConfig, UsageError
 
 
 @dataclass(frozen=True)
@@ -173,6 +173,26 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if get_world_size() > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
     return tensor
+
+
+def run_on_main(work, device: torch.device) -> None:
+    """Run `work()` on rank 0 only (e.g. a file write); if it fails, every rank raises,
+    so none is left waiting in its next collective. Every rank must call this."""
+    error = None
+    if is_main():
+        try:
+            work()
+        except (OSError, UsageError) as caught:
+            error = caught
+    failed = torch.tensor([float(error is not None)], device=device)
+    all_reduce_sum(failed)
+    if error is not None:
+        if isinstance(error, OSError):
+            where = f" {error.filename!r}" if error.filename else ""
+            raise UsageError(f"cannot write{where}: {error.strerror or error}") from None
+        raise error
+    if failed.item():
+        raise UsageError("rank 0 failed (its message says why)")
 
 
 def all_gather_objects(obj) -> list:

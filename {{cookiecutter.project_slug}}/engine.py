@@ -52,8 +52,9 @@ class TrainState:
         self.best_acc = state["best_acc"]
 
 
-def train_one_epoch(state: TrainState, loader, cfg: Config, device, progress, on_step) -> dict:
-    """Train from `state.batches_done` to the end of `state.epoch` (or to stop_at_step).
+def train_one_epoch(state: TrainState, loader, cfg: Config, device, progress, after_step) -> dict:
+    """Train from `state.batches_done` to the end of `state.epoch`, or until
+    `after_step(state)` (called after every optimizer step) returns True.
 
     Gradients of `accum_steps` micro-batches are summed locally (DDP's no_sync skips the
     all-reduce) and averaged across ranks on the last one, so one optimizer step sees the
@@ -77,8 +78,7 @@ def train_one_epoch(state: TrainState, loader, cfg: Config, device, progress, on
         if last_micro_batch:
             optimizer_step(state, cfg.train.grad_clip)
             progress.step(state.step, loss.detach(), state.scheduler.get_last_lr()[0])
-            on_step(state)
-            if state.step == cfg.train.stop_at_step:
+            if after_step(state):
                 state.stopped_early = True
                 break
     elapsed = time.perf_counter() - start

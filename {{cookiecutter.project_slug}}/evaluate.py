@@ -18,7 +18,7 @@ from data import build_datasets
 from distributed import cleanup_distributed, init_distributed_mode, is_main
 from engine import evaluate
 from loader import build_val_loader, with_num_classes
-from logs import exit_on_usage_error
+from logs import report_errors
 from model import build_model
 
 
@@ -31,7 +31,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 @record
-@exit_on_usage_error
+@report_errors
 def main(argv=None) -> None:
     args = parse_args(argv)
     ckpt = load_checkpoint(args.checkpoint)

@@ -6,14 +6,16 @@ training loop has one shape and no rank checks of its own.
 
 import functools
 import json
+import re
 import sys
 import time
 from pathlib import Path
 
+import torch.distributed
 from tqdm import tqdm
 
 from config import UsageError
-from distributed import is_main
+from distributed import get_rank, is_main
 
 
 def log(message: str) -> None:
@@ -90,17 +92,47 @@ def make_metrics_log(output_dir: str):
     return MetricsLog(Path(output_dir) / "metrics.jsonl") if is_main() else NoMetricsLog()
 
 
-def exit_on_usage_error(main):
-    """Turn a UsageError (bad config, data or checkpoint) into one line on rank 0 and
-    exit code 2, instead of a traceback from every rank."""
+def report_errors(main):
+    """Turn expected failures into one line on rank 0 instead of a traceback per rank:
+    bad input (UsageError: config, data, checkpoint) exits 2; a lost peer process exits 1."""
 
     @functools.wraps(main)
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
         except UsageError as error:
-            if is_main():
-                print(f"error: {error}", file=sys.stderr, flush=True)
+            say(last_line(error))
             raise SystemExit(2) from None
+        except RuntimeError as error:
+            if not lost_peer(error):
+                raise
+            # Every survivor says it: rank 0 may be the process that died.
+            print(
+                f"rank {get_rank()} stopped: lost contact with another process: it crashed, was killed, "
+                f"or hung longer than dist.timeout_minutes (see its output). {last_line(error)}",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(1) from None
 
     return wrapper
+
+
+def lost_peer(error: RuntimeError) -> bool:
+    """A collective failed because another process died or stopped answering. gloo
+    reports this as a plain RuntimeError, so its messages are recognised too."""
+    if isinstance(error, torch.distributed.DistError):
+        return True
+    return bool(re.search(r"gloo|Connection (closed|reset)|Timed out|NCCL", str(error)))
+
+
+def say(message: str) -> None:
+    if is_main():
+        print(f"error: {message}", file=sys.stderr, flush=True)
+
+
+def last_line(error: Exception) -> str:
+    """The message itself; errors re-raised from DataLoader workers carry the worker's
+    traceback in front of it."""
+    lines = str(error).strip().splitlines() or [type(error).__name__]
+    return re.sub(rf"^[\w.]*{type(error).__name__}: ", "", lines[-1])

@@ -16,12 +16,13 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from checkpoint import resume_train_state, save_train_state
 from config import load_config, save_config
 from data import build_datasets
-from distributed import cleanup_distributed, init_distributed_mode, is_main, wrap_model
+from distributed import cleanup_distributed, init_distributed_mode, run_on_main, wrap_model
 from engine import TrainState, evaluate, train_one_epoch
 from loader import build_train_loader, build_val_loader, with_num_classes
-from logs import exit_on_usage_error, log, make_metrics_log, make_progress
+from logs import log, make_metrics_log, make_progress, report_errors
 from model import build_model
 from optim import build_grad_scaler, build_optimizer, build_scheduler, check_precision
+from preemption import StopRequest
 from seeding import derive_seed, seed_everything, set_determinism
 
 
@@ -33,12 +34,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 @record  # the failing rank's traceback reaches torchrun's summary
-@exit_on_usage_error
+@report_errors
 def main(argv=None) -> None:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     env, device = init_distributed_mode(cfg.dist)
     try:
+        stop_request = StopRequest(cfg.dist.timeout_minutes).install()
         check_precision(cfg, device)
         set_determinism(cfg.train.deterministic, device)
 
@@ -56,8 +58,7 @@ def main(argv=None) -> None:
         state = TrainState(model, ddp_model, optimizer, scheduler, build_grad_scaler(cfg.train.precision, device))
 
         rng_restored = resume_train_state(state, cfg, env.rank, env.world_size)
-        if is_main():
-            save_config(cfg, Path(cfg.output_dir) / "config.yaml")
+        run_on_main(lambda: save_config(cfg, Path(cfg.output_dir) / "config.yaml"), device)
         log(
             f"training on {env.world_size} process(es), {device.type}; {len(train_set)} train / "
             f"{len(val_set)} val samples; effective batch "
@@ -69,52 +70,53 @@ def main(argv=None) -> None:
             if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
                 seed_everything(derive_seed(cfg.seed, env.rank, state.epoch))
             rng_restored = False
-            record_ = run_epoch(state, cfg, env, device, train_loader, val_loader, steps_per_epoch)
-            if record_:
-                metrics_log.write(record_)
-                log(format_record(record_))
+            train_loader.sampler.set_epoch(state.epoch, start_batch=state.batches_done)
+            epoch_metrics = run_epoch(state, cfg, env, device, train_loader, val_loader, stop_request)
+            if epoch_metrics:
+                metrics_log.write(epoch_metrics)
+                log(format_metrics(epoch_metrics))
     finally:
         cleanup_distributed()
 
 
-def run_epoch(state, cfg, env, device, train_loader, val_loader, steps_per_epoch) -> dict | None:
-    """Train the rest of the current epoch, evaluate, checkpoint. Returns the metrics
-    record, or None when training stopped at train.stop_at_step (after a checkpoint)."""
-    epoch = state.epoch
-    train_loader.sampler.set_epoch(epoch, start_batch=state.batches_done)
-    progress = make_progress(epoch, steps_per_epoch, state.batches_done // cfg.train.accum_steps, cfg.train.log_every_steps)
+def run_epoch(state, cfg, env, device, train_loader, val_loader, stop_request) -> dict | None:
+    """Train the rest of the current epoch, evaluate, checkpoint. Returns the epoch's
+    metrics, or None when training stopped early (after writing a step checkpoint)."""
+    epoch, accum = state.epoch, cfg.train.accum_steps
+    steps_per_epoch = train_loader.sampler.num_batches // accum
+    progress = make_progress(epoch, steps_per_epoch, state.batches_done // accum, cfg.train.log_every_steps)
 
-    def on_step(state):
-        if cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0:
-            save_train_state(state, cfg, env.world_size)
+    def after_step(state) -> bool:
+        """Periodic checkpoints; True to stop (train.stop_at_step or a stop signal)."""
+        stop = stop_request.agreed(state.step) or state.step == cfg.train.stop_at_step
+        if not stop and cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0:
+            save_train_state(state, cfg, env.world_size, device)
+        return stop
 
     try:
-        train_stats = train_one_epoch(state, train_loader, cfg, device, progress, on_step)
+        train_metrics = train_one_epoch(state, train_loader, cfg, device, progress, after_step)
     finally:
         progress.close()
     if state.stopped_early:
-        save_train_state(state, cfg, env.world_size)
-        log(f"stopped at step {state.step} (train.stop_at_step); rerun to continue")
+        save_train_state(state, cfg, env.world_size, device)
+        reason = f"by {stop_request.signal_name or 'a signal to another process'}"
+        if state.step == cfg.train.stop_at_step and not stop_request.signal_name:
+            reason = "at train.stop_at_step"
+        log(f"stopped at step {state.step} {reason}; checkpoint saved, run the same command to continue")
         return None
-    val_stats = evaluate(state.model, val_loader, device, cfg.train.precision)
+    val_metrics = evaluate(state.model, val_loader, device, cfg.train.precision)
     state.epoch, state.batches_done = epoch + 1, 0
-    is_best = val_stats["val_acc"] > state.best_acc
-    state.best_acc = max(state.best_acc, val_stats["val_acc"])
-    save_train_state(state, cfg, env.world_size, is_best=is_best)
-    return {
-        "epoch": epoch,
-        "step": state.step,
-        **train_stats,
-        **val_stats,
-        "lr": state.scheduler.get_last_lr()[0],
-    }
+    is_best = val_metrics["val_acc"] > state.best_acc
+    state.best_acc = max(state.best_acc, val_metrics["val_acc"])
+    save_train_state(state, cfg, env.world_size, device, is_best=is_best)
+    return {"epoch": epoch, "step": state.step, **train_metrics, **val_metrics, "lr": state.scheduler.get_last_lr()[0]}
 
 
-def format_record(record_: dict) -> str:
+def format_metrics(metrics: dict) -> str:
     return (
-        f"epoch {record_['epoch']}: train_loss {record_['train_loss']:.4f}  val_loss {record_['val_loss']:.4f}  "
-        f"val_acc {record_['val_acc']:.4f} ({record_['num_samples']} samples)  "
-        f"{record_['samples_per_s']:.0f} samples/s"
+        f"epoch {metrics['epoch']}: train_loss {metrics['train_loss']:.4f}  val_loss {metrics['val_loss']:.4f}  "
+        f"val_acc {metrics['val_acc']:.4f} ({metrics['num_samples']} samples)  "
+        f"{metrics['samples_per_s']:.0f} samples/s"
     )
 
 

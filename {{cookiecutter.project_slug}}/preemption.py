@@ -1,0 +1,66 @@
+"""Stop cleanly when asked: SIGTERM (torchrun, SLURM, Kubernetes), SIGINT (Ctrl-C) or
+SIGUSR1 (SLURM's `--signal` warning before the time limit).
+
+A signal may reach one process or all of them. Each process only notes it; at agreed
+optimizer steps all ranks compare notes (one tiny all-reduce) and stop together, so rank
+0 writes a step checkpoint that the next run resumes from exactly. torchrun kills workers
+30 s after its SIGTERM, so stopping must take well under that: under a second plus one
+step and one save.
+"""
+
+import datetime
+import signal
+import time
+
+import torch
+import torch.distributed as dist
+
+from distributed import get_world_size, is_main
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+CHECK_EVERY_SECONDS = 0.5  # how often ranks compare notes: a few hundred us each time
+
+
+class StopRequest:
+    """Notes stop signals; `agreed(step)` says, identically on every rank, whether to stop."""
+
+    def __init__(self, timeout_minutes: float):
+        self.signal_name = ""
+        # Notes travel over a separate CPU (gloo) group, so comparing them never waits
+        # for the GPU.
+        self.group = None
+        if get_world_size() > 1:
+            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+        self.next_check_step = 0
+        self.last_check = (0, time.monotonic())  # (step, time) of the previous comparison
+
+    def install(self) -> "StopRequest":
+        for sig in STOP_SIGNALS:
+            signal.signal(sig, self.handle)
+        return self
+
+    def handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.signal_name:
+            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
+        self.signal_name = signal.Signals(signum).name
+
+    def agreed(self, step: int) -> bool:
+        """Whether any rank got a stop signal. Every rank must call this after every step.
+
+        Ranks compare notes only every ~CHECK_EVERY_SECONDS: rank 0 proposes the next
+        step to compare at from its step rate, inside the same all-reduce, so every rank
+        knows it and no clock has to agree.
+        """
+        if self.group is None:
+            return bool(self.signal_name)
+        if step < self.next_check_step:
+            return False
+        last_step, last_time = self.last_check
+        now = time.monotonic()
+        steps_per_second = (step - last_step) / max(now - last_time, 1e-6)
+        proposal = step + max(1, int(steps_per_second * CHECK_EVERY_SECONDS)) if is_main() else 0
+        notes = torch.tensor([1.0 if self.signal_name else 0.0, float(proposal)], dtype=torch.float64)
+        dist.all_reduce(notes, op=dist.ReduceOp.MAX, group=self.group)
+        self.next_check_step = int(notes[1].item())
+        self.last_check = (step, now)
+        return bool(notes[0].item())

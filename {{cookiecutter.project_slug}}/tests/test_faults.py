@@ -1,0 +1,348 @@
+"""Faults with real processes: signals, kills, torn and hostile files, bad input.
+
+Nothing is lost beyond the last checkpoint, and each failure says what happened in one line.
+"""
+
+import os
+import pickle
+import resource
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+from conftest import FAST, PROJECT, children, clean_env, finish, read_metrics, run_script, start_script, wait_for_line
+
+from checkpoint import load_checkpoint, save_checkpoint, step_checkpoints
+
+# Long enough epochs that a signal lands mid-epoch; runs end at train.stop_at_step.
+LONG = [*FAST, "data.train_size=8192", "train.log_every_steps=1", "data.augment=true", "model.dropout=0.1"]
+END = 300
+
+
+def last(output_dir):
+    return load_checkpoint(output_dir / "checkpoints" / "last.pt")
+
+
+def assert_same_state(a, b):
+    assert (a["epoch"], a["batches_done"], a["step"]) == (b["epoch"], b["batches_done"], b["step"])
+    for key, value in a["model"].items():
+        assert torch.equal(b["model"][key], value), key
+    for index, slots in a["optimizer"]["state"].items():
+        for name, value in slots.items():
+            assert torch.equal(b["optimizer"]["state"][index][name], value), (index, name)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The reference: 2 processes straight to step END."""
+    out = tmp_path_factory.mktemp("uninterrupted")
+    run_script("train.py", [*LONG, f"output_dir={out}", f"train.stop_at_step={END}"], nproc=2)
+    return last(out)
+
+
+# -- 1. atomic checkpoints ---------------------------------------------------------------
+
+KILLED_SAVE = """
+import sys, time, torch
+from pathlib import Path
+from checkpoint import atomic_write, save_checkpoint
+directory = Path(sys.argv[1])
+save_checkpoint({"model": {"w": torch.ones(3)}, "step": 1}, directory, step=1, keep_last=3, is_best=False)
+
+def slow_write(f):
+    f.write(b"x" * 100_000)
+    f.flush()
+    print("writing", flush=True)
+    time.sleep(60)
+
+atomic_write(directory, "step-00000002.pt", slow_write)
+"""
+
+
+def test_process_killed_mid_save_leaves_previous_checkpoint(tmp_path):
+    saver = subprocess.Popen(
+        [sys.executable, "-c", KILLED_SAVE, str(tmp_path)], cwd=PROJECT, stdout=subprocess.PIPE, text=True
+    )
+    assert saver.stdout.readline().strip() == "writing"
+    saver.kill()
+    saver.wait()
+    leftovers = list(tmp_path.glob(".*.tmp"))
+    assert leftovers, "the torn write should still be on disk"
+    assert [p.name for p in step_checkpoints(tmp_path)] == ["step-00000001.pt"]
+    assert load_checkpoint(tmp_path / "last.pt")["step"] == 1
+    save_checkpoint({"model": {}, "step": 3}, tmp_path, step=3, keep_last=3, is_best=False)
+    assert not list(tmp_path.glob(".*.tmp"))  # cleaned up by the next save
+
+
+# -- 2. corrupt checkpoints -----------------------------------------------------------------
+
+
+def test_corrupt_last_falls_back_to_older_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    args = [*FAST, f"output_dir={out}", "checkpoint.every_steps=20", "checkpoint.keep_last=5"]
+    run_script("train.py", [*args, "train.stop_at_step=50"])
+    directory = out / "checkpoints"
+    (directory / "last.pt").unlink()  # last.pt shares its data with step 50: replace, not truncate
+    (directory / "last.pt").write_bytes((directory / "step-00000050.pt").read_bytes()[:2000])
+    (directory / "step-00000050.pt").write_bytes(b"garbage")
+    resumed = run_script("train.py", [*args, "train.stop_at_step=60"])
+    assert resumed.stdout.count("warning: checkpoint") == 2
+    assert f"resumed from {directory / 'step-00000040.pt'}: epoch 0, step 40" in resumed.stdout
+    assert last(out)["step"] == 60
+
+
+@pytest.mark.parametrize("content", [b"", b"garbage", None])
+def test_explicit_bad_checkpoint_is_one_line_exit_2(tmp_path, content):
+    path = tmp_path / "bad.pt"
+    if content is not None:
+        path.write_bytes(content)
+    result = run_script("train.py", [*FAST, f"output_dir={tmp_path / 'run'}", f"checkpoint.resume={path}"], check=False)
+    assert result.returncode == 2
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: checkpoint '{path}'"), result.stderr
+
+
+# -- 3. hostile checkpoints -------------------------------------------------------------------
+
+
+class RunsCode:
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_checkpoint_that_runs_code_is_refused_by_train_py(tmp_path):
+    marker, evil = tmp_path / "pwned", tmp_path / "evil.pt"
+    torch.save({"model": {}, "payload": RunsCode(marker)}, evil, pickle_module=pickle)
+    result = run_script("train.py", [*FAST, f"output_dir={tmp_path / 'run'}", f"checkpoint.resume={evil}"], check=False)
+    assert result.returncode == 2 and "error: checkpoint" in result.stderr
+    assert not marker.exists()
+
+
+def test_own_checkpoints_hold_no_unsafe_globals(tmp_path):
+    out = tmp_path / "run"
+    run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=5", "train.optimizer=adamw"], nproc=2)
+    for path in (out / "checkpoints").glob("*.pt"):
+        assert torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) == []
+
+
+# -- 4. preemption ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "target, sig",
+    [("agent", signal.SIGTERM), ("worker", signal.SIGUSR1), ("agent", signal.SIGINT)],
+)
+def test_stop_signal_checkpoints_and_resumes_exactly(tmp_path, uninterrupted, target, sig):
+    out = tmp_path / "run"
+    args = [*LONG, f"output_dir={out}", f"train.stop_at_step={END}"]
+    process, seen = start_script("train.py", args, nproc=2), []
+    wait_for_line(process, "step 5 ", seen)
+    victim = process.pid if target == "agent" else children(process.pid)[-1]
+    sent = time.monotonic()
+    os.kill(victim, sig)
+    output = finish(process, seen)
+    took = time.monotonic() - sent
+    stop_line = [line for line in output.splitlines() if line.startswith("stopped at step")]
+    assert len(stop_line) == 1, output
+    stopped_at = last(out)["step"]
+    assert 5 <= stopped_at < END and f"stopped at step {stopped_at} by" in stop_line[0]
+    assert took < 20, f"stopping took {took:.1f} s; torchrun kills after 30 s"
+    # Workers exit cleanly (a signalled torchrun agent prints its own traceback).
+    assert f'File "{PROJECT}' not in output
+
+    run_script("train.py", args, nproc=2)
+    assert_same_state(uninterrupted, last(out))
+
+
+# -- 5. crashed ranks -------------------------------------------------------------------------
+
+# The documented launch for restarts: the agent's shared TCP store can go stale across
+# restarts (pytorch/pytorch#135712); each round then gets its own store.
+RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+
+
+@pytest.mark.parametrize("attempt", [1, 2])
+def test_killed_worker_is_restarted_and_finishes_exactly(tmp_path, uninterrupted, attempt):
+    out = tmp_path / "run"
+    args = [*LONG, f"output_dir={out}", f"train.stop_at_step={END}", "checkpoint.every_steps=25"]
+    process, seen = start_script("train.py", args, nproc=2, env=RESTART_ENV, torchrun_args=["--max-restarts=2"]), []
+    wait_for_line(process, "step 60 ", seen)
+    os.kill(children(process.pid)[-1], signal.SIGKILL)
+    output = finish(process, seen, timeout=180)
+    assert process.returncode == 0, output
+    assert "resumed from" in output
+    assert_same_state(uninterrupted, last(out))
+
+
+# -- 6. no hangs ------------------------------------------------------------------------------
+
+
+def start_rank(rank, args, port):
+    env = clean_env(
+        {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    )
+    return subprocess.Popen(
+        [sys.executable, "train.py", *args], cwd=PROJECT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL])
+def test_a_lost_rank_fails_the_others_within_the_timeout(tmp_path, fault):
+    # No torchrun here: it would kill the survivors itself. The survivor must not hang.
+    args = [*LONG, f"output_dir={tmp_path / 'run'}", "train.stop_at_step=100000", "dist.timeout_minutes=0.1"]
+    port = free_port()
+    survivor, victim = start_rank(0, args, port), start_rank(1, args, port)
+    try:
+        wait_for_line(survivor, "step 3 ", [])
+        victim.send_signal(fault)
+        start = time.monotonic()
+        _, stderr = survivor.communicate(timeout=90)
+        took = time.monotonic() - start
+    finally:
+        victim.kill()
+        victim.wait()
+    assert survivor.returncode == 1
+    assert "rank 0 stopped: lost contact with another process" in stderr
+    assert took < 60
+    assert "Traceback" not in stderr
+
+
+# -- 7. bad input -----------------------------------------------------------------------------
+
+
+def one_error_line(result):
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and len(errors) == 1, result.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["train.precision=fp16"], "error: train.precision=fp16 needs a CUDA GPU; use bf16 or fp32 on CPU"),
+        (["data.name=imagefolder", "data.root=/nonexistent"], "error: data.root: '/nonexistent/train' is missing"),
+        (["model.name=vit"], "error: unknown model.name 'vit': choose resnet18 or mlp, or add yours in model.py"),
+    ],
+)
+def test_bad_values_under_torchrun_are_one_line(tmp_path, args, message):
+    result = run_script("train.py", [*FAST, f"output_dir={tmp_path / 'run'}", *args], nproc=2, check=False)
+    assert one_error_line(result).startswith(message)
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("train:\n  lr: 0.1\n  epochs: [2\n")
+    result = run_script("train.py", ["--config", config], check=False)
+    assert result.returncode == 2
+    assert one_error_line(result).startswith(f"error: {config} line 4: YAML syntax error")
+
+
+def test_missing_config_file(tmp_path):
+    result = run_script("train.py", ["--config", tmp_path / "nope.yaml"], check=False)
+    assert result.returncode == 2
+    assert one_error_line(result) == f"error: config file '{tmp_path / 'nope.yaml'}' not found (pass --config PATH)"
+
+
+def make_image_folder(root, bad_image=False, empty_class=False):
+    from PIL import Image
+
+    for split in ("train", "val"):
+        for label in ("cat", "dog"):
+            folder = root / split / label
+            folder.mkdir(parents=True)
+            if empty_class and split == "train" and label == "dog":
+                continue
+            for i in range(24):
+                Image.new("RGB", (10, 10), (i * 10, 100 if label == "cat" else 0, 0)).save(folder / f"{i}.png")
+    if bad_image:
+        (root / "train" / "cat" / "7.png").write_bytes(b"not a png")
+
+
+def test_imagefolder_trains(tmp_path):
+    make_image_folder(tmp_path / "images")
+    out = tmp_path / "run"
+    args = [*FAST, "data.name=imagefolder", f"data.root={tmp_path / 'images'}", "train.batch_size=8", f"output_dir={out}"]
+    run_script("train.py", [*args, "train.epochs=1"])
+    assert read_metrics(out)[0]["num_samples"] == 48
+
+
+def test_empty_class_folder_is_named(tmp_path):
+    make_image_folder(tmp_path / "images", empty_class=True)
+    args = [*FAST, "data.name=imagefolder", f"data.root={tmp_path / 'images'}", f"output_dir={tmp_path / 'run'}"]
+    line = one_error_line(run_script("train.py", args, check=False))
+    assert line.startswith(f"error: data.root: class folder '{tmp_path / 'images' / 'train' / 'dog'}' has no images")
+
+
+def test_unreadable_image_is_named_from_a_worker(tmp_path):
+    make_image_folder(tmp_path / "images", bad_image=True)
+    args = [*FAST, "data.name=imagefolder", f"data.root={tmp_path / 'images'}", "data.num_workers=2", "train.batch_size=8"]
+    result = run_script("train.py", [*args, f"output_dir={tmp_path / 'run'}"], nproc=2, check=False)
+    assert one_error_line(result).startswith(f"error: cannot read image {tmp_path / 'images' / 'train' / 'cat' / '7.png'}")
+
+
+def test_checkpoint_of_another_model_names_key_and_shapes(tmp_path):
+    out = tmp_path / "run"
+    run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=2"])
+    args = [*FAST, "model.hidden_dim=64", f"checkpoint.init_from={out / 'checkpoints' / 'last.pt'}"]
+    line = one_error_line(run_script("train.py", [*args, f"output_dir={tmp_path / 'ft'}"], check=False))
+    assert "'net.1.weight' has shape (32, 192) in the checkpoint but (64, 192) in the model" in line
+
+
+def test_unwritable_output_dir_stops_every_rank_at_start(tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    result = run_script("train.py", [*FAST, f"output_dir={blocker / 'run'}"], nproc=2, check=False, timeout=60)
+    assert one_error_line(result).startswith(f"error: cannot write '{blocker / 'run'}")
+
+
+def limit_file_size():
+    resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+
+def test_failed_save_is_clear_and_keeps_previous_checkpoint(tmp_path):
+    out = tmp_path / "run"
+    run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=3"])
+    before = (out / "checkpoints" / "last.pt").read_bytes()
+    # A file-size limit makes the next checkpoint write fail part-way, as a full disk would.
+    result = subprocess.run(
+        [sys.executable, "train.py", *FAST, f"output_dir={out}", "train.stop_at_step=6"],
+        cwd=PROJECT,
+        env=clean_env(),
+        capture_output=True,
+        text=True,
+        preexec_fn=limit_file_size,
+    )
+    line = one_error_line(result)
+    assert result.returncode == 2
+    assert line.startswith("error: checkpoint not saved (cannot write") and "earlier checkpoints are intact" in line
+    assert (out / "checkpoints" / "last.pt").read_bytes() == before
+    assert load_checkpoint(out / "checkpoints" / "last.pt")["step"] == 3
+    assert not list((out / "checkpoints").glob(".*.tmp"))
+
+
+# -- 8. runs are not overwritten ----------------------------------------------------------------
+
+
+def test_resume_with_changed_model_is_refused(tmp_path):
+    out = tmp_path / "run"
+    run_script("train.py", [*FAST, f"output_dir={out}", "train.epochs=1"])
+    result = run_script("train.py", [*FAST, f"output_dir={out}", "model.hidden_dim=64"], check=False)
+    assert result.returncode == 2
+    line = one_error_line(result)
+    assert "was trained with other settings (model.hidden_dim: 32 -> 64)" in line
+    assert "checkpoint.init_from=" in line
+    assert len(read_metrics(out)) == 1

@@ -176,12 +176,26 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def run_on_main(work, device: torch.device) -> None:
-    """Run `work()` on rank 0 only (e.g. a file write); if it fails, every rank raises,
-    so none is left waiting in its next collective. Every rank must call this."""
-    error = None
-    if is_main():
+    """Run `work()` on global rank 0 only (e.g. a file write); if it fails, every rank
+    raises, so none is left waiting in its next collective. Every rank must call this."""
+    run_where(is_main(), work, device)
+
+
+def run_local_main_first(work, env: DistEnv, device: torch.device):
+    """`work()` on local rank 0 of every node first (it may download or unpack data into
+    node-local storage), then on the node's other ranks, which find it ready. Every rank
+    must call this."""
+    result = run_where(env.local_rank == 0, work, device)
+    return work() if env.local_rank != 0 else result
+
+
+def run_where(here: bool, work, device: torch.device):
+    """`work()` on the ranks where `here` is True; then all ranks learn whether any failed
+    (one all-reduce, which also makes the others wait for it)."""
+    result, error = None, None
+    if here:
         try:
-            work()
+            result = work()
         except (OSError, UsageError) as caught:
             error = caught
     failed = torch.tensor([float(error is not None)], device=device)
@@ -192,7 +206,8 @@ def run_on_main(work, device: torch.device) -> None:
             raise UsageError(f"cannot write{where}: {error.strerror or error}") from None
         raise error
     if failed.item():
-        raise UsageError("rank 0 failed (its message says why)")
+        raise UsageError("another process failed (its message says why)")
+    return result
 
 
 def all_gather_objects(obj) -> list:

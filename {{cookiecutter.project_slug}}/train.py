@@ -16,7 +16,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from checkpoint import resume_train_state, save_train_state
 from config import load_config, save_config
 from data import build_datasets
-from distributed import cleanup_distributed, init_distributed_mode, run_on_main, wrap_model
+from distributed import cleanup_distributed, init_distributed_mode, run_local_main_first, run_on_main, wrap_model
 from engine import TrainState, evaluate, train_one_epoch
 from loader import build_train_loader, build_val_loader, with_num_classes
 from logs import log, make_metrics_log, make_progress, report_errors
@@ -44,7 +44,7 @@ def main(argv=None) -> None:
         check_precision(cfg, device)
         set_determinism(cfg.train.deterministic, device)
 
-        train_set, val_set = build_datasets(cfg)
+        train_set, val_set = run_local_main_first(lambda: build_datasets(cfg), env, device)
         cfg = with_num_classes(cfg, train_set)
         train_loader = build_train_loader(train_set, cfg, env, device)
         val_loader = build_val_loader(val_set, cfg, env, device)

@@ -1,0 +1,109 @@
+"""The generated project on a real single-node SLURM cluster (slurmctld + slurmd + munge
+started here by slurm_cluster.sh): srun, the shipped sbatch script, and preemption with
+requeue. Skipped with the reason where SLURM cannot run; in CI (CI=true) that is an error.
+"""
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import bake
+
+CLUSTER = Path(__file__).with_name("slurm_cluster.sh")
+FAST = [
+    "model.name=mlp", "model.hidden_dim=32", "data.image_size=8", "data.train_size=1024",
+    "data.val_size=101", "data.num_workers=0", "train.batch_size=16", "data.augment=false",
+]
+# The shipped script asks for GPUs; this cluster has none. Adapted by variables, not edits.
+NO_GPU = {"SBATCH_GPUS_PER_NODE": "0"}
+ONE_NODE_TWO_TASKS = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"]
+
+
+def unavailable(reason):
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"SLURM must run in CI: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory):
+    if os.geteuid() != 0:
+        unavailable("the SLURM tests need root to install and start slurmctld/slurmd")
+    directory = tmp_path_factory.mktemp("slurm")
+    started = subprocess.run(["bash", CLUSTER, "start", directory], capture_output=True, text=True, timeout=900)
+    if started.returncode != 0:
+        unavailable(f"SLURM did not start: {started.stderr.strip()[-800:]}")
+    env = {**os.environ, "SLURM_CONF": str(directory / "slurm.conf")}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # srun's `python`
+    try:
+        yield env
+    finally:
+        subprocess.run(["bash", CLUSTER, "stop", directory], capture_output=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    return bake(tmp_path_factory.mktemp("bake"))
+
+
+def job_info(job_id, env) -> str:
+    return subprocess.run(["scontrol", "show", "job", job_id], env=env, capture_output=True, text=True).stdout
+
+
+def wait_until(predicate, timeout, what):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def test_srun_two_tasks_train(slurm, project, tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run(
+        ["srun", "-n", "2", "python", "train.py", *FAST, "train.epochs=1", f"output_dir={out}"],
+        cwd=project, env=slurm, capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "training on 2 process(es)" in result.stdout
+    assert (out / "checkpoints" / "last.pt").is_file()
+    assert '"num_samples": 101' in (out / "metrics.jsonl").read_text()
+
+
+def test_shipped_sbatch_script_trains(slurm, project, tmp_path):
+    out = tmp_path / "run"
+    result = subprocess.run(
+        ["sbatch", "--wait", "--parsable", *ONE_NODE_TWO_TASKS, "scripts/slurm/train.sbatch",
+         *FAST, "train.epochs=1", f"output_dir={out}"],
+        cwd=project, env={**slurm, **NO_GPU}, capture_output=True, text=True, timeout=300,
+    )
+    job_id = result.stdout.strip().split(";")[0]
+    log = (project / f"slurm-{job_id}.out").read_text()
+    assert result.returncode == 0, result.stderr + log
+    assert "training on 2 process(es)" in log and "epoch 0:" in log
+
+
+def test_usr1_before_time_limit_checkpoints_requeues_and_finishes(slurm, project, tmp_path):
+    out = tmp_path / "run"
+    args = [*FAST, "data.train_size=8192", "train.log_every_steps=5", "train.epochs=2", f"output_dir={out}"]
+    submitted = subprocess.run(
+        ["sbatch", "--parsable", *ONE_NODE_TWO_TASKS, "scripts/slurm/train.sbatch", *args],
+        cwd=project, env={**slurm, **NO_GPU}, capture_output=True, text=True, timeout=60, check=True,
+    )
+    job_id = submitted.stdout.strip().split(";")[0]
+    log = project / f"slurm-{job_id}.out"
+    wait_until(lambda: log.is_file() and "step 20 " in log.read_text(), 120, "training to start")
+    # What SLURM does at --signal=B:USR1@90: signal the batch script.
+    subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=slurm, check=True)
+    wait_until(lambda: "JobState=COMPLETED" in job_info(job_id, slurm), 240, "the requeued job to finish")
+
+    text = log.read_text()
+    assert "Restarts=1" in job_info(job_id, slurm)
+    assert "stopped at step" in text and "by SIGUSR1; checkpoint saved" in text
+    assert f"job {job_id} run 1" in text and "resumed from" in text
+    assert "epoch 1:" in text
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2

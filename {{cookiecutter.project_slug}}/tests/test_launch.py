@@ -1,0 +1,84 @@
+"""Launch modes: several torchrun 'nodes' on this machine, and node-local preparation."""
+
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import FAST, PROJECT, clean_env, run_script
+
+from checkpoint import load_checkpoint
+
+RUN = [*FAST, "train.epochs=1", "checkpoint.resume=none"]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_node(node_rank: int, rendezvous: list[str], args: list, extra_env=None) -> subprocess.Popen:
+    """One 'node' of a two-node job: its own torchrun agent with one worker."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node_rank}",
+         "--nproc-per-node=1", *rendezvous, *map(str, args)],
+        cwd=PROJECT, env=clean_env(extra_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+
+
+def run_two_nodes(rendezvous, args, extra_env=None):
+    nodes = [torchrun_node(rank, rendezvous, args, extra_env) for rank in (0, 1)]
+    outputs = [node.communicate(timeout=240)[0] for node in nodes]
+    for node, output in zip(nodes, outputs):
+        assert node.returncode == 0, output
+    return outputs
+
+
+@pytest.mark.parametrize("backend", ["static", "c10d"])
+def test_two_nodes_train_like_one_node_with_two_processes(tmp_path, backend):
+    port = free_port()
+    rendezvous = {
+        "static": ["--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}"],
+        "c10d": ["--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=test"],
+    }[backend]
+    one_node, two_nodes = tmp_path / "one", tmp_path / "two"
+    run_script("train.py", [*RUN, f"output_dir={one_node}"], nproc=2)
+    outputs = run_two_nodes(rendezvous, ["train.py", *RUN, f"output_dir={two_nodes}"])
+    assert sum("training on 2 process(es)" in output for output in outputs) == 1  # global rank 0 logs
+    a = load_checkpoint(one_node / "checkpoints" / "last.pt")["model"]
+    b = load_checkpoint(two_nodes / "checkpoints" / "last.pt")["model"]
+    for key, value in a.items():
+        assert torch.equal(b[key], value), key
+
+
+LOCAL_FIRST = """
+import sys, time
+import torch.distributed as dist
+from config import DistConfig
+from distributed import init_distributed_mode, run_local_main_first
+
+env, device = init_distributed_mode(DistConfig())
+log = sys.argv[1]
+
+def prepare():
+    with open(log, "a") as f:
+        f.write(f"start {env.rank} {env.local_rank}\\n")
+    time.sleep(0.5 if env.local_rank == 0 else 0)  # e.g. a download
+    with open(log, "a") as f:
+        f.write(f"end {env.rank} {env.local_rank}\\n")
+    return env.rank
+
+assert run_local_main_first(prepare, env, device) == env.rank
+dist.destroy_process_group()
+"""
+
+
+def test_local_rank_zero_prepares_before_the_others(tmp_path):
+    script, log = tmp_path / "prepare.py", tmp_path / "order.log"
+    script.write_text(LOCAL_FIRST)
+    run_script(str(script), [log], nproc=3, env={"PYTHONPATH": str(PROJECT)})
+    events = log.read_text().split("\n")[:-1]
+    assert events[:2] == ["start 0 0", "end 0 0"]  # the others waited for it
+    assert sorted(events[2:]) == ["end 1 1", "end 2 2", "start 1 1", "start 2 2"]

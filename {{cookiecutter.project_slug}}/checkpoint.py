@@ -16,6 +16,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from config import UsageError, to_dict
 from distributed import all_gather_objects, run_on_main
@@ -151,7 +152,8 @@ def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) ->
     unexpected = sorted(set(weights) - set(expected))
     if unexpected:
         raise CheckpointError(f"{source}: the checkpoint has weight {unexpected[0]!r} the model lacks")
-    model.load_state_dict(weights)
+    # Full tensors into a plain, DDP or FSDP (sharded) model alike.
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
 
 
 def save_train_state(state, cfg, world_size: int, device, is_best: bool = False) -> None:

@@ -48,6 +48,7 @@ class ModelConfig:
     hidden_dim: int = 256  # mlp only
     dropout: float = 0.0  # mlp only
     sync_bn: bool = True  # SyncBatchNorm across GPUs (CUDA with >1 process only)
+    activation_checkpointing: bool = False  # recompute block activations in backward: less memory
 
     def __post_init__(self):
         check_positive("model.hidden_dim", self.hidden_dim)
@@ -70,6 +71,8 @@ class TrainConfig:
     step_gamma: float = 0.1
     grad_clip: float = 0.0  # max gradient norm; 0 = off
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 needs CUDA; uses a GradScaler)
+    strategy: str = "ddp"  # ddp (replica per process) | fsdp (sharded: for big models)
+    fsdp_cpu_offload: bool = False  # fsdp only: keep sharded parameters in CPU memory
     eval_batch_size: int = 256  # per process
     log_every_steps: int = 10
     stop_at_step: int = 0  # stop with a checkpoint at this optimizer step; 0 = run all epochs
@@ -85,6 +88,7 @@ class TrainConfig:
         check_choice("train.optimizer", self.optimizer, ("sgd", "adamw"))
         check_choice("train.schedule", self.schedule, ("cosine", "step", "constant"))
         check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
+        check_choice("train.strategy", self.strategy, ("ddp", "fsdp"))
 
 
 @dataclass

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-from torch.nn.parallel import DistributedDataParallel
 
 from config import ConfigError, DistConfig, UsageError
 
@@ -175,6 +174,15 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def all_reduce_max(value: int, device: torch.device) -> int:
+    """The largest `value` over all processes; every rank must call this."""
+    if get_world_size() == 1:
+        return value
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return int(tensor.item())
+
+
 def run_on_main(work, device: torch.device) -> None:
     """Run `work()` on global rank 0 only (e.g. a file write); if it fails, every rank
     raises, so none is left waiting in its next collective. Every rank must call this."""
@@ -217,34 +225,3 @@ def all_gather_objects(obj) -> list:
     gathered = [None] * get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
-
-
-def use_sync_batchnorm(requested: bool, device: torch.device, world_size: int) -> bool:
-    """SyncBatchNorm only where it works and helps: several processes on CUDA GPUs."""
-    return requested and device.type == "cuda" and world_size > 1
-
-
-def has_batchnorm(model: torch.nn.Module) -> bool:
-    return any(isinstance(m, torch.nn.modules.batchnorm._BatchNorm) for m in model.modules())
-
-
-def wrap_model(model: torch.nn.Module, env: DistEnv, device: torch.device, sync_bn: bool):
-    """SyncBatchNorm conversion, then the move to the device, then DDP (in that order:
-    DDP must see the final modules on their final device).
-
-    Returns (model, ddp_model): the plain module for saving and evaluation, and the one
-    to train (the same module when there is a single process).
-    """
-    if use_sync_batchnorm(sync_bn, device, env.world_size):
-        model = torch.nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    elif sync_bn and env.world_size > 1 and has_batchnorm(model) and is_main():
-        print(
-            "note: SyncBatchNorm needs CUDA GPUs, so it is skipped here; "
-            "each process normalises with its own batch statistics",
-            flush=True,
-        )
-    model.to(device)
-    if env.world_size == 1:
-        return model, model
-    device_ids = [device.index] if device.type == "cuda" else None
-    return model, DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)

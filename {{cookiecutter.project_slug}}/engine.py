@@ -7,11 +7,22 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from config import Config
-from distributed import all_reduce_sum
+from distributed import all_reduce_max, all_reduce_sum
 from optim import autocast
+
+
+FULL = StateDictOptions(full_state_dict=True)
+FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 
 
 @dataclass
@@ -19,7 +30,7 @@ class TrainState:
     """Everything a checkpoint must hold to continue the run exactly."""
 
     model: nn.Module  # unwrapped: what is saved and evaluated
-    ddp_model: nn.Module  # what is trained (the DDP wrapper when world_size > 1)
+    train_model: nn.Module  # what is trained: the DDP wrapper, or the model itself
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
@@ -30,9 +41,11 @@ class TrainState:
     stopped_early: bool = field(default=False, compare=False)
 
     def state_dict(self) -> dict:
+        """Plain full tensors on the CPU, the same for DDP and FSDP (so either resumes the
+        other). Every rank must call this: under FSDP it gathers the shards."""
         return {
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": get_model_state_dict(self.model, options=FULL_ON_CPU),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=FULL_ON_CPU),
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "epoch": self.epoch,
@@ -43,7 +56,7 @@ class TrainState:
 
     def load_state_dict(self, state: dict) -> None:
         """Optimizer, schedule and position; the model weights are loaded separately."""
-        self.optimizer.load_state_dict(state["optimizer"])
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=FULL)
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.epoch = state["epoch"]
@@ -60,7 +73,7 @@ def train_one_epoch(state: TrainState, loader, cfg: Config, device, progress, af
     all-reduce) and averaged across ranks on the last one, so one optimizer step sees the
     mean loss over batch_size * world_size * accum_steps samples.
     """
-    state.ddp_model.train()
+    state.train_model.train()
     accum = cfg.train.accum_steps
     loss_sum = torch.zeros((), dtype=torch.float64, device=device)
     batches, start = 0, time.perf_counter()
@@ -68,9 +81,9 @@ def train_one_epoch(state: TrainState, loader, cfg: Config, device, progress, af
         images = images.to(device, non_blocking=True)
         labels = labels.to(device, non_blocking=True)
         last_micro_batch = (state.batches_done + 1) % accum == 0
-        with gradient_sync(state.ddp_model, enabled=last_micro_batch):
+        with gradient_sync(state.train_model, enabled=last_micro_batch):
             with autocast(cfg.train.precision, device):
-                loss = F.cross_entropy(state.ddp_model(images), labels)
+                loss = F.cross_entropy(state.train_model(images), labels)
             state.scaler.scale(loss / accum).backward()
         loss_sum += loss.detach()
         state.batches_done += 1
@@ -88,10 +101,24 @@ def train_one_epoch(state: TrainState, loader, cfg: Config, device, progress, af
 
 
 def gradient_sync(model: nn.Module, enabled: bool):
-    """DDP's all-reduce runs in backward; skip it on micro-batches that only accumulate."""
-    if enabled or not isinstance(model, DDP):
+    """Gradients are averaged across ranks in backward; skip that on micro-batches that
+    only accumulate (DDP's no_sync, FSDP's requires_gradient_sync)."""
+    if enabled:
         return contextlib.nullcontext()
-    return model.no_sync()
+    if isinstance(model, DDP):
+        return model.no_sync()
+    if isinstance(model, FSDPModule):
+        return fsdp_no_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def fsdp_no_sync(model: FSDPModule):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def optimizer_step(state: TrainState, grad_clip: float) -> None:
@@ -110,8 +137,9 @@ def evaluate(model: nn.Module, loader, device, precision: str) -> dict:
     """Loss and accuracy over the whole validation set, each sample counted once.
 
     Pass the unwrapped model: DDP's forward may broadcast buffers, a collective that
-    would hang when ranks hold shards of different lengths. The only collective here is
-    the final all-reduce, which every rank reaches.
+    would hang when ranks hold shards of different lengths. An FSDP model's forward is a
+    collective itself, so there every rank runs as many forwards as the busiest one
+    (the extra ones on a blank input, counted nowhere).
     """
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=device)  # loss sum, correct, count
@@ -123,6 +151,11 @@ def evaluate(model: nn.Module, loader, device, precision: str) -> dict:
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (logits.argmax(dim=1) == labels).sum()
         totals[2] += labels.numel()
+    if isinstance(model, FSDPModule):
+        blank = torch.zeros(1, *loader.dataset[0][0].shape, device=device)
+        for _ in range(all_reduce_max(len(loader), device) - len(loader)):
+            with autocast(precision, device):
+                model(blank)
     all_reduce_sum(totals)
     loss_sum, correct, count = totals.tolist()
     count = max(count, 1.0)

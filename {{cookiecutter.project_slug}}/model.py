@@ -1,14 +1,31 @@
 """Models: edit this file to train your own.
 
 `build_model(cfg)` returns a plain `nn.Module` mapping images [N, C, H, W] to class
-logits [N, num_classes]. Keep it unaware of distribution: train.py converts BatchNorm to
-SyncBatchNorm, moves it to the device and wraps it in DDP.
+logits [N, num_classes]. Keep it unaware of distribution: parallel.py converts BatchNorm
+to SyncBatchNorm, moves it to the device and wraps it in DDP or FSDP.
 """
 
 import torch.nn as nn
 from torchvision.models import resnet18
+from torchvision.models.resnet import BasicBlock
 
 from config import Config, ConfigError
+
+
+class MLPBlock(nn.Module):
+    def __init__(self, in_features: int, out_features: int, dropout: float):
+        super().__init__()
+        self.linear = nn.Linear(in_features, out_features)
+        self.activation = nn.ReLU()
+        self.dropout = nn.Dropout(dropout)
+
+    def forward(self, x):
+        return self.dropout(self.activation(self.linear(x)))
+
+
+# The repeated blocks of your model: the units that model.activation_checkpointing
+# recomputes and that FSDP shards. Add your own block types here.
+BLOCKS = (BasicBlock, MLPBlock)
 
 
 def build_model(cfg: Config) -> nn.Module:
@@ -37,12 +54,8 @@ class MLP(nn.Module):
         super().__init__()
         self.net = nn.Sequential(
             nn.Flatten(),
-            nn.Linear(in_features, hidden_dim),
-            nn.ReLU(),
-            nn.Dropout(dropout),
-            nn.Linear(hidden_dim, hidden_dim),
-            nn.ReLU(),
-            nn.Dropout(dropout),
+            MLPBlock(in_features, hidden_dim, dropout),
+            MLPBlock(hidden_dim, hidden_dim, dropout),
             nn.Linear(hidden_dim, num_classes),
         )
 

@@ -27,17 +27,19 @@ def seed_everything(seed: int) -> None:
 
 
 def capture_rng_state() -> dict:
-    state = {"torch": torch.get_rng_state(), "python": random.getstate()}
+    """This process's RNG states as plain numbers: they travel between ranks and into
+    checkpoints without pickled tensors."""
+    state = {"torch": torch.get_rng_state().tolist(), "python": random.getstate()}
     if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda"] = torch.cuda.get_rng_state().tolist()
     return state
 
 
 def restore_rng_state(state: dict) -> None:
-    torch.set_rng_state(state["torch"])
+    torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
     random.setstate(to_tuples(state["python"]))
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
 def to_tuples(value):

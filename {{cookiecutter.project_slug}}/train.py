@@ -9,18 +9,24 @@ Re-running with the same output_dir continues from its last checkpoint
 """
 
 import argparse
+from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.utils.data import DataLoader
 
 from checkpoint import resume_train_state, save_train_state
-from config import load_config, save_config
+from config import Config, load_config, save_config
 from data import build_datasets
-from distributed import cleanup_distributed, init_distributed_mode, run_local_main_first, run_on_main, wrap_model
+from distributed import DistEnv, cleanup_distributed, init_distributed_mode, run_local_main_first, run_on_main
 from engine import TrainState, evaluate, train_one_epoch
 from loader import build_train_loader, build_val_loader, with_num_classes
 from logs import log, make_metrics_log, make_progress, report_errors
-from model import build_model
+from memory import report_memory
+from model import BLOCKS, build_model
+from parallel import wrap_model
 from optim import build_grad_scaler, build_optimizer, build_scheduler, check_precision
 from preemption import StopRequest
 from seeding import derive_seed, seed_everything, set_determinism
@@ -31,6 +37,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--config", default="config.yaml", help="YAML config (default: config.yaml)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. train.lr=0.05")
     return parser.parse_args(argv)
+
+
+@dataclass
+class Run:
+    """What stays fixed while the epochs go by."""
+
+    cfg: Config
+    env: DistEnv
+    device: torch.device
+    train_loader: DataLoader
+    val_loader: DataLoader
+    stop_request: StopRequest
+    memory_report_step: int  # report per-rank memory once, early, at this step
 
 
 @record  # the failing rank's traceback reaches torchrun's summary
@@ -51,27 +70,27 @@ def main(argv=None) -> None:
         steps_per_epoch = train_loader.sampler.num_batches // cfg.train.accum_steps
 
         seed_everything(cfg.seed)  # identical initial weights on every rank
-        model, ddp_model = wrap_model(build_model(cfg), env, device, cfg.model.sync_bn)
+        model, train_model = wrap_model(build_model(cfg), cfg, env, device, BLOCKS)
 
         optimizer = build_optimizer(model, cfg.train)
         scheduler = build_scheduler(optimizer, cfg.train, steps_per_epoch)
-        state = TrainState(model, ddp_model, optimizer, scheduler, build_grad_scaler(cfg.train.precision, device))
+        state = TrainState(model, train_model, optimizer, scheduler, build_grad_scaler(cfg.train.precision, device))
 
         rng_restored = resume_train_state(state, cfg, env.rank, env.world_size)
         run_on_main(lambda: save_config(cfg, Path(cfg.output_dir) / "config.yaml"), device)
         log(
-            f"training on {env.world_size} process(es), {device.type}; {len(train_set)} train / "
-            f"{len(val_set)} val samples; effective batch "
+            f"training on {env.world_size} process(es), {device.type}, {cfg.train.strategy}; {len(train_set)} "
+            f"train / {len(val_set)} val samples; effective batch "
             f"{cfg.train.batch_size * env.world_size * cfg.train.accum_steps}; {steps_per_epoch} steps/epoch"
         )
 
+        run = Run(cfg, env, device, train_loader, val_loader, stop_request, state.step + min(10, steps_per_epoch))
         metrics_log = make_metrics_log(cfg.output_dir)
         while state.epoch < cfg.train.epochs and not state.stopped_early:
             if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
                 seed_everything(derive_seed(cfg.seed, env.rank, state.epoch))
             rng_restored = False
-            train_loader.sampler.set_epoch(state.epoch, start_batch=state.batches_done)
-            epoch_metrics = run_epoch(state, cfg, env, device, train_loader, val_loader, stop_request)
+            epoch_metrics = run_epoch(state, run)
             if epoch_metrics:
                 metrics_log.write(epoch_metrics)
                 log(format_metrics(epoch_metrics))
@@ -79,37 +98,42 @@ def main(argv=None) -> None:
         cleanup_distributed()
 
 
-def run_epoch(state, cfg, env, device, train_loader, val_loader, stop_request) -> dict | None:
+def run_epoch(state: TrainState, run: Run) -> dict | None:
     """Train the rest of the current epoch, evaluate, checkpoint. Returns the epoch's
     metrics, or None when training stopped early (after writing a step checkpoint)."""
-    epoch, accum = state.epoch, cfg.train.accum_steps
-    steps_per_epoch = train_loader.sampler.num_batches // accum
+    cfg, epoch, accum = run.cfg, state.epoch, run.cfg.train.accum_steps
+    run.train_loader.sampler.set_epoch(epoch, start_batch=state.batches_done)
+    steps_per_epoch = run.train_loader.sampler.num_batches // accum
     progress = make_progress(epoch, steps_per_epoch, state.batches_done // accum, cfg.train.log_every_steps)
 
     def after_step(state) -> bool:
-        """Periodic checkpoints; True to stop (train.stop_at_step or a stop signal)."""
-        stop = stop_request.agreed(state.step) or state.step == cfg.train.stop_at_step
+        """Periodic checkpoints and reports; True to stop (stop_at_step or a signal)."""
+        stop = run.stop_request.agreed(state.step) or state.step == cfg.train.stop_at_step
         if not stop and cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0:
-            save_train_state(state, cfg, env.world_size, device)
+            save_train_state(state, cfg, run.env.world_size, run.device)
+        if state.step == run.memory_report_step:
+            report_memory(run.device, f"after step {state.step}")
         return stop
 
     try:
-        train_metrics = train_one_epoch(state, train_loader, cfg, device, progress, after_step)
+        train_metrics = train_one_epoch(state, run.train_loader, cfg, run.device, progress, after_step)
     finally:
         progress.close()
     if state.stopped_early:
-        save_train_state(state, cfg, env.world_size, device)
-        reason = f"by {stop_request.signal_name or 'a signal to another process'}"
-        if state.step == cfg.train.stop_at_step and not stop_request.signal_name:
-            reason = "at train.stop_at_step"
-        log(f"stopped at step {state.step} {reason}; checkpoint saved, run the same command to continue")
+        save_train_state(state, cfg, run.env.world_size, run.device)
+        signal_name = run.stop_request.signal_name
+        reason = "at train.stop_at_step" if state.step == cfg.train.stop_at_step and not signal_name else ""
+        log(f"stopped at step {state.step} {reason or 'by ' + (signal_name or 'a signal to another process')}; "
+            "checkpoint saved, run the same command to continue")
         return None
-    val_metrics = evaluate(state.model, val_loader, device, cfg.train.precision)
+    val_metrics = evaluate(state.model, run.val_loader, run.device, cfg.train.precision)
+    memory = report_memory(run.device, f"epoch {epoch}")
     state.epoch, state.batches_done = epoch + 1, 0
     is_best = val_metrics["val_acc"] > state.best_acc
     state.best_acc = max(state.best_acc, val_metrics["val_acc"])
-    save_train_state(state, cfg, env.world_size, device, is_best=is_best)
-    return {"epoch": epoch, "step": state.step, **train_metrics, **val_metrics, "lr": state.scheduler.get_last_lr()[0]}
+    save_train_state(state, cfg, run.env.world_size, run.device, is_best=is_best)
+    lr = state.scheduler.get_last_lr()[0]
+    return {"epoch": epoch, "step": state.step, **train_metrics, **val_metrics, "lr": lr, "memory": memory}
 
 
 def format_metrics(metrics: dict) -> str:

@@ -59,13 +59,13 @@ def test_keeps_the_newest_step_checkpoints_and_no_temporary_files(tmp_path):
 
 
 def test_wrapper_prefixes_are_stripped():
-    weights = {"module._orig_mod.net.1.weight": 1, "net.3.bias": 2}
-    assert strip_prefixes(weights) == {"net.1.weight": 1, "net.3.bias": 2}
+    weights = {"module._orig_mod.net.1.linear.weight": 1, "net.3.bias": 2}
+    assert strip_prefixes(weights) == {"net.1.linear.weight": 1, "net.3.bias": 2}
 
 
 def test_mismatched_model_names_key_and_shapes():
     small, big = MLP(12, 8, 3), MLP(12, 16, 3)
-    with pytest.raises(CheckpointError, match=r"'net.1.weight' has shape \(16, 12\) in the checkpoint but \(8, 12\)"):
+    with pytest.raises(CheckpointError, match=r"'net.1.linear.weight' has shape \(16, 12\) in the checkpoint but \(8, 12\)"):
         load_model_weights(small, big.state_dict(), "x.pt")
 
 

@@ -8,8 +8,8 @@ from distributed import (
     parse_dist_env,
     select_backend,
     select_device,
-    use_sync_batchnorm,
 )
+from parallel import use_sync_batchnorm
 
 
 def test_plain_python_is_one_process():
@@ -92,11 +92,13 @@ def test_sync_batchnorm_only_on_several_gpus():
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
-def test_wrap_model_on_gpu_converts_nothing_for_one_process():
-    from distributed import wrap_model
-    from model import small_image_resnet18
+def test_wrap_model_on_gpu_for_one_process():
+    from config import load_config
+    from model import BLOCKS, small_image_resnet18
+    from parallel import wrap_model
 
-    model, ddp_model = wrap_model(small_image_resnet18(10), DistEnv(), torch.device("cuda", 0), sync_bn=True)
-    assert ddp_model is model
+    cfg = load_config(None, [])
+    model, train_model = wrap_model(small_image_resnet18(10), cfg, DistEnv(), torch.device("cuda", 0), BLOCKS)
+    assert train_model is model
     assert next(model.parameters()).device == torch.device("cuda", 0)
     assert not any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())

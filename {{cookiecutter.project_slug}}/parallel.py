@@ -1,0 +1,67 @@
+"""How the model is spread over processes: SyncBatchNorm, activation checkpointing, and
+DDP (a full replica per process) or FSDP (parameters, gradients and optimizer state
+sharded across processes, for models too big for one device).
+"""
+
+import functools
+
+import torch
+import torch.nn as nn
+from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.checkpoint import checkpoint
+
+from config import Config
+from distributed import DistEnv, is_main
+
+
+def use_sync_batchnorm(requested: bool, device: torch.device, world_size: int) -> bool:
+    """SyncBatchNorm only where it works and helps: several processes on CUDA GPUs."""
+    return requested and device.type == "cuda" and world_size > 1
+
+
+def has_batchnorm(model: nn.Module) -> bool:
+    return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+
+
+def wrap_model(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device, blocks: tuple[type, ...]):
+    """SyncBatchNorm conversion, activation checkpointing, the move to the device, then
+    DDP or FSDP (in that order: the wrapper must see the final modules on their device).
+
+    Returns (model, train_model): the module to save and evaluate, and the one to train
+    (the same module for a single process and for FSDP, which shards it in place).
+    """
+    if use_sync_batchnorm(cfg.model.sync_bn, device, env.world_size):
+        model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
+    elif cfg.model.sync_bn and env.world_size > 1 and has_batchnorm(model) and is_main():
+        print(
+            "note: SyncBatchNorm needs CUDA GPUs, so it is skipped here; "
+            "each process normalises with its own batch statistics",
+            flush=True,
+        )
+    if cfg.model.activation_checkpointing:
+        checkpoint_activations(model, blocks)
+    model.to(device)
+    if env.world_size == 1:
+        return model, model
+    if cfg.train.strategy == "fsdp":
+        pinned = device.type == "cuda"  # pinned host memory needs a GPU driver
+        offload = CPUOffloadPolicy(pin_memory=pinned) if cfg.train.fsdp_cpu_offload else OffloadPolicy()
+        for block in [m for m in model.modules() if isinstance(m, blocks)]:
+            fully_shard(block, offload_policy=offload)  # one all-gather per block, freed after use
+        fully_shard(model, offload_policy=offload)
+        return model, model
+    device_ids = [device.index] if device.type == "cuda" else None
+    return model, DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+
+
+def checkpoint_activations(model: nn.Module, block_types: tuple[type, ...]) -> int:
+    """Recompute the activations of each block in the backward pass instead of keeping
+    them: less memory for about one extra forward pass of compute. Returns the number
+    of blocks. Each block's forward is replaced on the instance, so parameter names (and
+    checkpoints) are the same with and without it.
+    """
+    blocks = [m for m in model.modules() if isinstance(m, block_types)]
+    for block in blocks:
+        block.forward = functools.partial(checkpoint, type(block).forward.__get__(block), use_reentrant=False)
+    return len(blocks)

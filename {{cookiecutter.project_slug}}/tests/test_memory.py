@@ -1,0 +1,145 @@
+"""Memory: per-rank reports, CPU-mapped loads, no leaks, and the memory savers."""
+
+import json
+import sys
+
+import pytest
+import torch
+from conftest import FAST, PROJECT, read_metrics, run_script
+
+from checkpoint import load_checkpoint
+from memory import imbalance_warning
+from model import BLOCKS, MLP, small_image_resnet18
+from parallel import checkpoint_activations
+
+IMBALANCED = """
+import torch, torch.distributed as dist
+from config import DistConfig
+from distributed import init_distributed_mode
+from memory import report_memory
+
+env, device = init_distributed_mode(DistConfig())
+if env.rank == 1:
+    hoard = torch.ones(400 * 2**20 // 4)  # 400 MiB, touched, held only by rank 1
+report_memory(device, "test")
+dist.destroy_process_group()
+"""
+
+
+def test_imbalance_warning_names_the_heavy_rank(tmp_path):
+    script = tmp_path / "imbalanced.py"
+    script.write_text(IMBALANCED)
+    result = run_script(str(script), [], nproc=3, env={"PYTHONPATH": str(PROJECT)})
+    assert result.stdout.count("memory per rank, MiB (test)") == 1
+    assert "warning: rank 1 holds" in result.stdout and "x the median" in result.stdout
+
+
+def test_no_warning_when_balanced():
+    rows = [{"rss_peak_mib": 800.0}, {"rss_peak_mib": 820.0}, {"rss_peak_mib": 790.0}]
+    assert imbalance_warning(rows) is None
+    assert "rank 2" in imbalance_warning([*rows[:2], {"rss_peak_mib": 1100.0}])
+
+
+RECORD_LOADS = """
+import json, os, runpy, sys, torch
+calls = []
+real_load = torch.load
+
+def recording_load(*args, **kwargs):
+    calls.append({"map_location": str(kwargs.get("map_location")), "weights_only": kwargs.get("weights_only")})
+    with open(os.environ["LOADS_LOG"] + os.environ.get("RANK", "0"), "w") as f:
+        json.dump(calls, f)
+    return real_load(*args, **kwargs)
+
+torch.load = recording_load
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_every_load_during_resume_is_cpu_mapped_and_weights_only(tmp_path):
+    out, script = tmp_path / "run", tmp_path / "record_loads.py"
+    script.write_text(RECORD_LOADS)
+    run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=5"], nproc=2)
+    args = [*FAST, f"output_dir={out}", "train.stop_at_step=10"]
+    run_script(str(script), args, nproc=2, env={"LOADS_LOG": str(tmp_path / "loads"), "PYTHONPATH": str(PROJECT)})
+    calls = [call for rank in (0, 1) for call in json.loads((tmp_path / f"loads{rank}").read_text())]
+    assert len(calls) >= 2
+    assert all(call == {"map_location": "cpu", "weights_only": True} for call in calls), calls
+
+
+def test_memory_stays_flat_over_epochs(tmp_path):
+    out = tmp_path / "run"
+    run_script("train.py", [*FAST, "data.num_workers=2", "train.epochs=6", f"output_dir={out}"], nproc=2)
+    epochs = read_metrics(out)
+    for rank in (0, 1):
+        rss = [m["memory"][rank]["rss_mib"] for m in epochs[1:]]
+        tensors = [m["memory"][rank]["live_tensors"] for m in epochs[1:]]
+        assert max(rss) - rss[0] < 25, f"rank {rank} RSS grew: {rss}"
+        assert max(tensors) - min(tensors) <= 2, f"rank {rank} live tensors changed: {tensors}"
+
+
+def saved_activation_bytes(model, x):
+    """Bytes autograd keeps for the backward pass of one forward."""
+    total = 0
+
+    def pack(tensor):
+        nonlocal total
+        total += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        loss = model(x).logsumexp(dim=1).mean()
+    return loss, total
+
+
+@pytest.mark.parametrize("make", [lambda: small_image_resnet18(10), lambda: MLP(3 * 16 * 16, 64, 10)])
+def test_activation_checkpointing_same_gradients_less_memory(make):
+    torch.manual_seed(0)
+    plain, checkpointed = make(), make()
+    checkpointed.load_state_dict(plain.state_dict())
+    assert checkpoint_activations(checkpointed, BLOCKS) > 0
+    x = torch.randn(8, 3, 16, 16)
+    loss_a, bytes_a = saved_activation_bytes(plain, x)
+    loss_b, bytes_b = saved_activation_bytes(checkpointed, x)
+    loss_a.backward()
+    loss_b.backward()
+    assert torch.equal(loss_a, loss_b)
+    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
+    assert bytes_b < 0.7 * bytes_a, (bytes_a, bytes_b)
+    assert checkpointed.state_dict().keys() == plain.state_dict().keys()
+
+
+def test_bf16_and_activation_checkpointing_train(tmp_path):
+    out = tmp_path / "run"
+    args = [*FAST, "train.precision=bf16", "model.activation_checkpointing=true", "train.epochs=1"]
+    run_script("train.py", [*args, f"output_dir={out}"])
+    assert read_metrics(out)[0]["val_acc"] > 0.2
+
+
+def test_fsdp_and_ddp_resume_each_other(tmp_path):
+    ddp, mixed = tmp_path / "ddp", tmp_path / "mixed"
+    args = [*FAST, "train.epochs=1"]
+    run_script("train.py", [*args, f"output_dir={ddp}"], nproc=2)
+    run_script("train.py", [*args, f"output_dir={mixed}", "train.strategy=fsdp", "train.stop_at_step=10"], nproc=2)
+    run_script("train.py", [*args, f"output_dir={mixed}", "train.strategy=ddp", "train.stop_at_step=20"], nproc=2)
+    last = run_script("train.py", [*args, f"output_dir={mixed}", "train.strategy=fsdp", "train.fsdp_cpu_offload=true"], nproc=2)
+    assert "cpu, fsdp" in last.stdout
+    a = load_checkpoint(ddp / "checkpoints" / "last.pt")
+    b = load_checkpoint(mixed / "checkpoints" / "last.pt")
+    assert a["step"] == b["step"] == 32
+    for key, value in a["model"].items():
+        torch.testing.assert_close(b["model"][key], value, rtol=1e-4, atol=1e-5, msg=key)
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(str(mixed / "checkpoints" / "last.pt")) == []
+    assert read_metrics(mixed)[0]["num_samples"] == 101
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+def test_after_resume_each_process_holds_memory_on_its_own_gpu_only(tmp_path):
+    out = tmp_path / "run"
+    run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=5"], nproc=2)
+    run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=10"], nproc=2)
+    memory = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["memory"] if (out / "metrics.jsonl").exists() else None
+    query = [sys.executable, "-c", "import subprocess; print(subprocess.run(['nvidia-smi', '--query-compute-apps=pid,gpu_uuid', '--format=csv,noheader'], capture_output=True, text=True).stdout)"]
+    assert memory is None or all(row["cuda_reserved_peak_mib"] > 0 for row in memory), query

@@ -3,7 +3,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 DEMO := build/demo
 
-.PHONY: demo test clean
+.PHONY: demo test bench clean
 
 $(BIN)/.installed: requirements-dev.txt
 	python3 -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: $(BIN)/.installed
 # Every test: the template's, and each generated project's own suite.
 test: $(BIN)/.installed
 	$(BIN)/python -m pytest tests
+
+# Generated loop vs a hand-written one, DDP vs FSDP memory, speed switches. Prints figures.
+bench: $(BIN)/.installed
+	$(BIN)/python benchmarks/bench.py --switches
 
 clean:
 	rm -rf $(VENV) $(DEMO)

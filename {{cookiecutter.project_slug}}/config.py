@@ -72,6 +72,8 @@ class TrainConfig:
     grad_clip: float = 0.0  # max gradient norm; 0 = off
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 needs CUDA; uses a GradScaler)
     strategy: str = "ddp"  # ddp (replica per process) | fsdp (sharded: for big models)
+    compile: bool = False  # torch.compile the model (slow first steps, faster later)
+    channels_last: bool = False  # NHWC memory layout: faster convolutions on recent GPUs
     fsdp_cpu_offload: bool = False  # fsdp only: keep sharded parameters in CPU memory
     eval_batch_size: int = 256  # per process
     log_every_steps: int = 10
@@ -109,10 +111,13 @@ class CheckpointConfig:
 class DistConfig:
     backend: str = "auto"  # auto (nccl on CUDA, else gloo) | nccl | gloo
     timeout_minutes: float = 30.0  # a collective waiting longer than this fails the run
+    static_graph: bool = False  # DDP: the graph never changes between steps (enables optimisations)
+    bucket_cap_mb: float = 25.0  # DDP: gradient all-reduce bucket size
 
     def __post_init__(self):
         check_choice("dist.backend", self.backend, ("auto", "nccl", "gloo"))
         check_positive("dist.timeout_minutes", self.timeout_minutes)
+        check_positive("dist.bucket_cap_mb", self.bucket_cap_mb)
 
 
 @dataclass
@@ -129,6 +134,9 @@ class Config:
         check_positive("seed", self.seed, allow_zero=True)
         if not self.output_dir:
             raise ConfigError("output_dir must not be empty")
+        if self.dist.static_graph and self.train.accum_steps > 1:
+            # DDP's static graph cannot skip gradient sync on accumulation micro-batches.
+            raise ConfigError("dist.static_graph=true does not work with train.accum_steps > 1; turn one off")
 
 
 def check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:

@@ -58,9 +58,16 @@ class SeededSamples(Dataset):
 
     def __getitem__(self, key):
         epoch, index = key
-        with torch.random.fork_rng(devices=[]):  # leave the caller's RNG untouched
-            torch.manual_seed(derive_seed(self.seed, epoch, index))
+        # Seed the CPU generator only (torch.manual_seed would also queue a seed for every
+        # GPU: ~1 ms per call where CUDA is not initialised), and leave the caller's RNG
+        # as it was. A few microseconds per sample.
+        generator = torch.default_generator
+        caller_state = generator.get_state()
+        generator.manual_seed(derive_seed(self.seed, epoch, index))
+        try:
             return self.dataset[index]
+        finally:
+            generator.set_state(caller_state)
 
 
 class ShardSampler(Sampler):

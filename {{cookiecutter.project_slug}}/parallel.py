@@ -41,18 +41,38 @@ def wrap_model(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device
         )
     if cfg.model.activation_checkpointing:
         checkpoint_activations(model, blocks)
-    model.to(device)
+    model.to(device, memory_format=memory_format(cfg))
+    return model, maybe_compile(spread(model, cfg, env, device, blocks), cfg.train.compile)
+
+
+def memory_format(cfg: Config) -> torch.memory_format:
+    return torch.channels_last if cfg.train.channels_last else torch.preserve_format
+
+
+def maybe_compile(model: nn.Module, enabled: bool) -> nn.Module:
+    # Compile the DDP wrapper, not the inner module: DDP's graph-aware bucketing then
+    # overlaps communication with the compiled backward.
+    return torch.compile(model) if enabled else model
+
+
+def spread(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device, blocks) -> nn.Module:
+    """The module to train: DDP, FSDP (in place) or, for one process, the model itself."""
     if env.world_size == 1:
-        return model, model
+        return model
     if cfg.train.strategy == "fsdp":
         pinned = device.type == "cuda"  # pinned host memory needs a GPU driver
         offload = CPUOffloadPolicy(pin_memory=pinned) if cfg.train.fsdp_cpu_offload else OffloadPolicy()
         for block in [m for m in model.modules() if isinstance(m, blocks)]:
             fully_shard(block, offload_policy=offload)  # one all-gather per block, freed after use
         fully_shard(model, offload_policy=offload)
-        return model, model
-    device_ids = [device.index] if device.type == "cuda" else None
-    return model, DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True)
+        return model
+    return DistributedDataParallel(
+        model,
+        device_ids=[device.index] if device.type == "cuda" else None,
+        gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: no copy
+        static_graph=cfg.dist.static_graph,
+        bucket_cap_mb=cfg.dist.bucket_cap_mb,
+    )
 
 
 def checkpoint_activations(model: nn.Module, block_types: tuple[type, ...]) -> int:

@@ -9,6 +9,7 @@ Re-running with the same output_dir continues from its last checkpoint
 """
 
 import argparse
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -115,6 +116,7 @@ def run_epoch(state: TrainState, run: Run) -> dict | None:
             report_memory(run.device, f"after step {state.step}")
         return stop
 
+    epoch_start = time.perf_counter()
     try:
         train_metrics = train_one_epoch(state, run.train_loader, cfg, run.device, progress, after_step)
     finally:
@@ -132,8 +134,13 @@ def run_epoch(state: TrainState, run: Run) -> dict | None:
     is_best = val_metrics["val_acc"] > state.best_acc
     state.best_acc = max(state.best_acc, val_metrics["val_acc"])
     save_train_state(state, cfg, run.env.world_size, run.device, is_best=is_best)
+    # Time spent outside training steps: evaluation, memory report, checkpoint.
+    outside_s = time.perf_counter() - epoch_start - train_metrics["train_time_s"]
     lr = state.scheduler.get_last_lr()[0]
-    return {"epoch": epoch, "step": state.step, **train_metrics, **val_metrics, "lr": lr, "memory": memory}
+    return {
+        "epoch": epoch, "step": state.step, **train_metrics, **val_metrics,
+        "lr": lr, "outside_train_s": outside_s, "memory": memory,
+    }
 
 
 def format_metrics(metrics: dict) -> str:

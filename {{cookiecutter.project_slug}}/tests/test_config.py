@@ -66,3 +66,8 @@ def test_resolved_config_round_trips(tmp_path):
     cfg = load_config(CONFIG_YAML, ["train.lr=0.3"])
     save_config(cfg, tmp_path / "resolved.yaml")
     assert load_config(tmp_path / "resolved.yaml") == cfg
+
+
+def test_static_graph_with_accumulation_is_refused():
+    with pytest.raises(ConfigError, match="dist.static_graph=true does not work with train.accum_steps > 1"):
+        load_config(CONFIG_YAML, ["dist.static_graph=true", "train.accum_steps=2"])

@@ -1,7 +1,6 @@
 """Memory: per-rank reports, CPU-mapped loads, no leaks, and the memory savers."""
 
 import json
-import sys
 
 import pytest
 import torch
@@ -138,8 +137,10 @@ def test_fsdp_and_ddp_resume_each_other(tmp_path):
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 def test_after_resume_each_process_holds_memory_on_its_own_gpu_only(tmp_path):
     out = tmp_path / "run"
-    run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=5"], nproc=2)
-    run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=10"], nproc=2)
-    memory = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["memory"] if (out / "metrics.jsonl").exists() else None
-    query = [sys.executable, "-c", "import subprocess; print(subprocess.run(['nvidia-smi', '--query-compute-apps=pid,gpu_uuid', '--format=csv,noheader'], capture_output=True, text=True).stdout)"]
-    assert memory is None or all(row["cuda_reserved_peak_mib"] > 0 for row in memory), query
+    run_script("train.py", [*FAST, f"output_dir={out}", "train.epochs=1"], nproc=2)
+    resumed = run_script("train.py", [*FAST, f"output_dir={out}", "train.epochs=2"], nproc=2)
+    assert "warning: rank" not in resumed.stdout  # no rank holds more than the others
+    rows = read_metrics(out)[-1]["memory"]
+    assert all(row["cuda_reserved_peak_mib"] > 0 for row in rows)
+    # Had rank 1 loaded the checkpoint onto GPU 0, GPU 0's peak would exceed GPU 1's.
+    assert rows[0]["cuda_reserved_peak_mib"] <= 1.25 * rows[1]["cuda_reserved_peak_mib"]

@@ -2,9 +2,13 @@
 
 import json
 
-from conftest import read_metrics, run_script
+import pytest
+import torch
+from conftest import FAST, read_metrics, run_script
 
 from checkpoint import load_checkpoint
+
+FAST_SHORT = [*FAST, "train.epochs=1", "data.train_size=512"]
 
 
 def test_two_process_run_trains_evaluates_checkpoints_and_resumes(tmp_path, fast_args):
@@ -47,3 +51,19 @@ def test_bad_config_under_torchrun_is_reported_once(tmp_path):
     result = run_script("train.py", ["train.batch_size=0"], nproc=2, check=False)
     assert result.returncode != 0
     assert result.stderr.count("error: train.batch_size must be > 0, got 0") == 1
+
+
+@pytest.mark.parametrize(
+    "switches",
+    [["train.compile=true", "train.channels_last=true"], ["dist.static_graph=true", "dist.bucket_cap_mb=0.01"]],
+)
+def test_speed_switches_keep_the_math(tmp_path, switches):
+    """torch.compile, channels_last, DDP static_graph and bucket size change speed only."""
+    args = [*FAST_SHORT, "checkpoint.resume=none"]
+    plain, switched = tmp_path / "plain", tmp_path / "switched"
+    run_script("train.py", [*args, f"output_dir={plain}"], nproc=2)
+    run_script("train.py", [*args, *switches, f"output_dir={switched}"], nproc=2)
+    a = load_checkpoint(plain / "checkpoints" / "last.pt")["model"]
+    b = load_checkpoint(switched / "checkpoints" / "last.pt")["model"]
+    for key, value in a.items():
+        torch.testing.assert_close(b[key], value, rtol=1e-4, atol=1e-5, msg=key)

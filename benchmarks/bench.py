@@ -1,0 +1,170 @@
+"""Benchmark: the generated training loop against a minimal hand-written one.
+
+Bakes a project with the default answers, then alternates runs of (a) its train.py and
+(b) benchmarks/handwritten.py with the same model, data, optimizer, batch and process
+count, for 1 and 2 processes, several times. Prints median step time, samples/s, the
+a/b ratio, start-up + teardown time, per-epoch time outside training steps, peak memory
+per rank, and whether both ended with the same weights. Then DDP vs FSDP peak memory on
+a larger model, and (with --switches) the effect of each speed switch.
+
+It asserts nothing about time; it prints. Usage (from the template repo):
+    .venv/bin/python benchmarks/bench.py [--repeats 3] [--switches]
+"""
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from cookiecutter.main import cookiecutter
+
+TEMPLATE = Path(__file__).resolve().parents[1]
+HANDWRITTEN = Path(__file__).with_name("handwritten.py")
+
+# The same math in both loops: no augmentation, constant lr, no weight decay, and no
+# evaluation-time randomness. Large enough that a step is mostly compute.
+WORKLOAD = [
+    "model.name=mlp", "model.hidden_dim=512", "data.image_size=32", "data.train_size=8192",
+    "data.val_size=1000", "data.num_workers=0", "data.augment=false", "train.batch_size=64",
+    "train.epochs=2", "train.lr=0.05", "train.weight_decay=0", "train.schedule=constant",
+    "train.log_every_steps=1000", "checkpoint.resume=none",
+]
+
+
+def launcher(nproc: int) -> list[str]:
+    if nproc == 1:
+        return [sys.executable]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+
+
+def run(command: list[str], project: Path) -> tuple[str, float]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.perf_counter()
+    result = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True)
+    wall = time.perf_counter() - start
+    if result.returncode != 0:
+        sys.exit(f"benchmark run failed: {' '.join(command)}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result.stdout, wall
+
+
+def run_generated(project: Path, nproc: int, out: Path, extra=()) -> dict:
+    shutil.rmtree(out, ignore_errors=True)
+    _, wall = run([*launcher(nproc), "train.py", *WORKLOAD, *extra, f"output_dir={out}"], project)
+    epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    inside = sum(e["train_time_s"] + e["outside_train_s"] for e in epochs)
+    return {
+        "step_s": statistics.median(e["step_time_median_s"] for e in epochs),
+        "samples_per_s": statistics.mean(e["samples_per_s"] for e in epochs),
+        "startup_teardown_s": wall - inside,
+        "outside_per_epoch_s": statistics.mean(e["outside_train_s"] for e in epochs),
+        "rss_peak_mib": [row["rss_peak_mib"] for row in epochs[-1]["memory"]],
+        "weights": torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)["model"],
+    }
+
+
+def run_handwritten(project: Path, nproc: int, out: Path) -> dict:
+    out.mkdir(parents=True, exist_ok=True)
+    weights = out / "handwritten.pt"
+    stdout, wall = run([*launcher(nproc), str(HANDWRITTEN), json.dumps(WORKLOAD), str(weights)], project)
+    ranks = sorted((json.loads(line) for line in stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+    return {
+        "step_s": ranks[0]["step_time_median_s"],
+        "samples_per_s": ranks[0]["samples_per_s"],
+        "startup_teardown_s": wall - ranks[0]["train_time_s"],
+        "outside_per_epoch_s": 0.0,
+        "rss_peak_mib": [r["rss_peak_mib"] for r in ranks],
+        "weights": torch.load(weights, map_location="cpu", weights_only=True),
+    }
+
+
+def same_weights(a: dict, b: dict) -> str:
+    if a.keys() != b.keys():
+        return "different keys"
+    if all(torch.equal(a[k], b[k]) for k in a):
+        return "bitwise equal"
+    worst = max((a[k] - b[k]).abs().max().item() for k in a)
+    return f"max abs difference {worst:.2e}"
+
+
+def compare_loops(project: Path, work: Path, repeats: int, nprocs: list[int]) -> None:
+    print(f"\n== generated loop (a) vs hand-written loop (b), {repeats} alternating runs each")
+    header = f"{'procs':>5} {'loop':>4} {'step ms':>8} {'samples/s':>10} {'start+end s':>11} {'outside/epoch s':>15}  peak RSS MiB per rank"
+    print(header)
+    for nproc in nprocs:
+        results = {"a": [], "b": []}
+        for repeat in range(repeats):
+            order = ("a", "b") if repeat % 2 == 0 else ("b", "a")  # alternate to cancel drift
+            for loop in order:
+                runner = run_generated if loop == "a" else run_handwritten
+                results[loop].append(runner(project, nproc, work / f"{loop}{nproc}"))
+        for loop in ("a", "b"):
+            rows = results[loop]
+            print(
+                f"{nproc:>5} {loop:>4} {1e3 * statistics.median(r['step_s'] for r in rows):>8.2f} "
+                f"{statistics.median(r['samples_per_s'] for r in rows):>10.0f} "
+                f"{statistics.median(r['startup_teardown_s'] for r in rows):>11.2f} "
+                f"{statistics.median(r['outside_per_epoch_s'] for r in rows):>15.3f}  "
+                f"{rows[-1]['rss_peak_mib']}"
+            )
+        ratio = statistics.median(r["step_s"] for r in results["a"]) / statistics.median(r["step_s"] for r in results["b"])
+        print(f"{nproc:>5} a/b median step-time ratio {ratio:.3f}; final weights: "
+              f"{same_weights(results['a'][-1]['weights'], results['b'][-1]['weights'])}")
+
+
+def compare_memory(project: Path, work: Path) -> None:
+    print("\n== peak memory per rank, 2 processes, MLP with 29M parameters (hidden_dim=4096)")
+    big = ["model.hidden_dim=4096", "data.train_size=2048", "train.batch_size=32", "train.epochs=1"]
+    for strategy in ("ddp", "fsdp"):
+        out = work / strategy
+        run([*launcher(2), "train.py", *WORKLOAD, *big, f"train.strategy={strategy}", f"output_dir={out}"], project)
+        memory = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["memory"]
+        peaks = [row["rss_peak_mib"] for row in memory]
+        now = [row["rss_mib"] for row in memory]
+        print(f"{strategy:>5}: peak RSS {peaks} MiB, RSS after the epoch {now} MiB")
+
+
+SWITCHES = {
+    "baseline": [],
+    "train.compile=true": ["train.compile=true"],
+    "train.channels_last=true": ["train.channels_last=true"],
+    "train.precision=bf16": ["train.precision=bf16"],
+    "dist.static_graph=true": ["dist.static_graph=true"],
+    "dist.bucket_cap_mb=1": ["dist.bucket_cap_mb=1"],
+}
+
+
+def compare_switches(project: Path, work: Path) -> None:
+    print("\n== speed switches, generated loop, 2 processes (median step time; compile includes warm-up epochs)")
+    for name, extra in SWITCHES.items():
+        result = run_generated(project, 2, work / "switch", extra)
+        print(f"{name:>26}: {1e3 * result['step_s']:7.2f} ms/step, {result['samples_per_s']:7.0f} samples/s")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--nprocs", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--switches", action="store_true", help="also time each speed switch")
+    args = parser.parse_args()
+    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.processor() or 'cpu'}; "
+          f"torch {torch.__version__}, Python {platform.python_version()}; CPU processes, gloo")
+    print("workload: " + " ".join(WORKLOAD))
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(work / "bake")))
+        compare_loops(project, work, args.repeats, args.nprocs)
+        compare_memory(project, work)
+        if args.switches:
+            compare_switches(project, work)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,70 @@
+"""The baseline: a minimal hand-written DDP training loop, as in PyTorch's tutorials.
+
+Same model (build_model) and data (build_datasets) as the generated project, same
+sampler order, optimizer and batch; no evaluation, checkpoints or logging. Run inside a
+baked project folder:  torchrun --nproc_per_node=N handwritten.py '<overrides as JSON>' OUT
+Prints one JSON line per rank: step times, throughput and peak RSS.
+"""
+
+import json
+import resource
+import statistics
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader, DistributedSampler
+
+sys.path.insert(0, ".")
+from config import load_config  # noqa: E402  (the baked project's own modules)
+from data import build_datasets  # noqa: E402
+from model import build_model  # noqa: E402
+
+
+def main():
+    start = time.perf_counter()
+    cfg = load_config("config.yaml", json.loads(sys.argv[1]))
+    distributed = "RANK" in __import__("os").environ
+    if distributed:
+        dist.init_process_group("gloo")
+    rank, world = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    train_set, _ = build_datasets(cfg)
+    sampler = DistributedSampler(train_set, world, rank, shuffle=True, seed=cfg.seed, drop_last=True)
+    loader = DataLoader(train_set, batch_size=cfg.train.batch_size, sampler=sampler, drop_last=True)
+    torch.manual_seed(cfg.seed)
+    model = build_model(cfg)
+    trained = DDP(model) if world > 1 else model
+    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.train.lr, momentum=cfg.train.momentum)
+    step_times, train_time = [], 0.0
+    for epoch in range(cfg.train.epochs):
+        sampler.set_epoch(epoch)
+        epoch_start = last = time.perf_counter()
+        for images, labels in loader:
+            loss = F.cross_entropy(trained(images), labels)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            optimizer.step()
+            now = time.perf_counter()
+            step_times.append(now - last)
+            last = now
+        train_time += time.perf_counter() - epoch_start
+    if rank == 0:
+        torch.save(model.state_dict(), sys.argv[2])
+    samples = len(step_times) * cfg.train.batch_size * world
+    print(json.dumps({
+        "rank": rank,
+        "step_time_median_s": statistics.median(step_times),
+        "samples_per_s": samples / train_time,
+        "train_time_s": train_time,
+        "in_process_s": time.perf_counter() - start,
+        "rss_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+    }), flush=True)
+    if distributed:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -89,3 +89,10 @@ def test_hostile_free_text_is_kept_verbatim_and_safe(tmp_path, key):
     for path in rendered_files(project):
         if path.suffix == ".py":
             ast.parse(path.read_text(), filename=str(path))
+
+
+def test_hook_knows_every_module_of_the_project(baked):
+    hook = (TEMPLATE / "hooks" / "pre_gen_project.py").read_text()
+    block = hook[hook.index("PROJECT_MODULES = {") : hook.index("}", hook.index("PROJECT_MODULES = {"))]
+    for module in baked.glob("*.py"):
+        assert f'"{module.stem}"' in block, f"add {module.stem!r} to PROJECT_MODULES"

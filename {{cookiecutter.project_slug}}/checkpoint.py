@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from config import UsageError, to_dict
-from distributed import all_gather_objects, run_on_main
+from distributed import all_gather_objects, run_on_main, run_where
 from logs import log
 from seeding import capture_rng_state, restore_rng_state
 
@@ -200,7 +200,8 @@ def load_resume_checkpoint(cfg) -> tuple[Path, dict] | None:
 
 # Settings that change what a checkpoint's weights mean; resuming across them is refused.
 IDENTITY_KEYS = ("seed", "model", "data")
-FREE_DATA_KEYS = ("root", "download", "num_workers")  # where and how data is read
+# Within those sections, settings that change how, not what, is trained.
+FREE_KEYS = {"data": ("root", "download", "num_workers", "augment"), "model": ("activation_checkpointing", "sync_bn")}
 
 
 def config_changes(saved: dict, current: dict) -> list[str]:
@@ -210,19 +211,26 @@ def config_changes(saved: dict, current: dict) -> list[str]:
         old, new = saved.get(key), current.get(key)
         if isinstance(new, dict):
             for sub in sorted(set(old or {}) | set(new)):
-                if not (key == "data" and sub in FREE_DATA_KEYS) and (old or {}).get(sub) != new.get(sub):
+                if sub not in FREE_KEYS.get(key, ()) and (old or {}).get(sub) != new.get(sub):
                     changes.append(f"{key}.{sub}: {(old or {}).get(sub)!r} -> {new.get(sub)!r}")
         elif old != new:
             changes.append(f"{key}: {old!r} -> {new!r}")
     return changes
 
 
-def resume_train_state(state, cfg, rank: int, world_size: int) -> bool:
-    """Continue a run from its checkpoint, or initialise weights for fine-tuning.
+def resume_train_state(state, cfg, rank: int, world_size: int, device) -> bool:
+    """Continue a run from its checkpoint, or initialise weights for fine-tuning. Every
+    rank must call this (they check that they all see the same checkpoint).
 
-    Returns True when the RNG state was restored (mid-epoch resume, same world size).
+    Returns True when the RNG state was restored (mid-epoch resume, same layout).
     """
-    found = load_resume_checkpoint(cfg)
+    found = run_where(True, lambda: load_resume_checkpoint(cfg), device)
+    seen = all_gather_objects(None if found is None else (str(found[0]), found[1]["step"]))
+    if any(view != seen[0] for view in seen):
+        raise CheckpointError(
+            f"processes see different checkpoints in {cfg.output_dir!r} ({seen[0]} vs {seen[-1]}); "
+            "put output_dir on a file system that every node shares"
+        )
     if found is None:
         if cfg.checkpoint.init_from:
             ckpt = load_checkpoint(cfg.checkpoint.init_from)
@@ -240,18 +248,23 @@ def resume_train_state(state, cfg, rank: int, world_size: int) -> bool:
     load_model_weights(state.model, ckpt["model"], str(path))
     state.load_state_dict(ckpt)
     log(f"resumed from {path}: epoch {state.epoch}, step {state.step}")
+    saved = ckpt["config"]["train"]
+    if any(saved[k] != getattr(cfg.train, k) for k in ("lr", "momentum", "weight_decay")):
+        log("note: the optimizer continues with the checkpoint's lr, momentum and weight_decay")
     if state.batches_done == 0:
         return False
-    if ckpt["world_size"] == world_size:
+    same_layout = (ckpt["world_size"], saved["batch_size"], saved["accum_steps"]) == (
+        world_size, cfg.train.batch_size, cfg.train.accum_steps)
+    if same_layout:
         restore_rng_state(ckpt["rng"][rank])
         return True
     # Continue at the same sample position of the epoch's permutation, in whole steps.
-    saved = ckpt["config"]["train"]
     samples_done = state.batches_done * saved["batch_size"] * ckpt["world_size"]
     effective_batch = cfg.train.batch_size * world_size * cfg.train.accum_steps
     state.batches_done = samples_done // effective_batch * cfg.train.accum_steps
     log(
-        f"note: the checkpoint was written by {ckpt['world_size']} processes and this run has "
-        f"{world_size}; model and optimizer continue exactly, the data order from here differs"
+        f"note: the checkpoint was written by {ckpt['world_size']} processes x batch {saved['batch_size']} x "
+        f"{saved['accum_steps']} accum_steps and this run has {world_size} x {cfg.train.batch_size} x "
+        f"{cfg.train.accum_steps}; model and optimizer continue exactly, the data order from here differs"
     )
     return False

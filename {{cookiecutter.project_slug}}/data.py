@@ -10,8 +10,10 @@
 - Nothing here is distributed: samplers and loaders live in loader.py.
 """
 
+import os
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch.utils.data import Dataset
@@ -82,15 +84,38 @@ def smooth_patterns(num_classes: int, image_size: int, generator: torch.Generato
 
 def image_folder(root: Path, image_size: int, train_tf) -> tuple[Dataset, Dataset]:
     """<root>/train/<class>/<image> and <root>/val/<class>/<image>."""
-    from torchvision.datasets import ImageFolder
-
     resize = [v2.ToImage(), v2.Resize(image_size), v2.CenterCrop(image_size), v2.ToDtype(torch.float32, scale=True)]
     splits = []
     for split, tf in (("train", train_tf), ("val", v2.Normalize(MEAN, STD))):
         folder = root / split
         check_class_folders(folder, split)
-        splits.append(ImageFolder(str(folder), transform=v2.Compose([*resize, tf]), loader=read_image))
+        splits.append(ImageFiles(folder, v2.Compose([*resize, tf])))
     return splits[0], splits[1]
+
+
+class ImageFiles(Dataset):
+    """A class-per-folder image set (torchvision's ImageFolder layout and file types).
+
+    Paths live in one numpy byte-string array and labels in one tensor, not in a list
+    of (path, label) tuples: DataLoader workers touching a list of Python objects bump
+    their reference counts, which copies the memory pages into every worker over time.
+    """
+
+    def __init__(self, folder: Path, transform):
+        from torchvision.datasets import ImageFolder
+
+        found = ImageFolder(str(folder))  # only to list files and classes
+        self.classes = found.classes
+        self.paths = np.array([os.fsencode(path) for path, _ in found.samples])
+        self.labels = torch.tensor([label for _, label in found.samples])
+        self.transform = transform
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        image = read_image(os.fsdecode(self.paths[index]))
+        return self.transform(image), int(self.labels[index])
 
 
 def check_class_folders(folder: Path, split: str) -> None:

@@ -99,17 +99,27 @@ def first_host(nodelist: str) -> str:
 
 
 def select_backend(requested: str, cuda_available: bool) -> str:
-    if requested == "auto":
-        return "nccl" if cuda_available else "gloo"
+    """NCCL for GPU tensors, with gloo beside it for the few CPU tensors that travel
+    (e.g. FSDP CPU offload's gradient norms); gloo alone without GPUs."""
     if requested == "nccl" and not cuda_available:
         raise ConfigError("dist.backend=nccl needs CUDA GPUs; use dist.backend=gloo or auto")
+    if requested == "auto":
+        return "cpu:gloo,cuda:nccl" if cuda_available else "gloo"
     return requested
 
 
-def select_device(env: DistEnv, cuda_available: bool) -> torch.device:
-    """One GPU per process, chosen by local rank; the CPU when there is no GPU."""
+def select_device(env: DistEnv, cuda_available: bool, device_count: int = 0) -> torch.device:
+    """One GPU per process, chosen by local rank; the CPU when there is no GPU. Where the
+    launcher shows each process a single GPU (e.g. SLURM --gpus-per-task=1), that one."""
     if not cuda_available:
         return torch.device("cpu")
+    if device_count == 1:
+        return torch.device("cuda", 0)
+    if env.local_rank >= device_count:
+        raise UsageError(
+            f"local rank {env.local_rank} has no GPU: {device_count} visible "
+            "(start one process per GPU: --nproc_per_node / --ntasks-per-node)"
+        )
     return torch.device("cuda", env.local_rank)
 
 
@@ -117,7 +127,7 @@ def init_distributed_mode(cfg: DistConfig) -> tuple[DistEnv, torch.device]:
     """Bind this process to its device, then join the process group (if launched)."""
     env = parse_dist_env(dict(os.environ))
     cuda = torch.cuda.is_available()
-    device = select_device(env, cuda)
+    device = select_device(env, cuda, torch.cuda.device_count() if cuda else 0)
     if device.type == "cuda":
         # Before any other CUDA call, so nothing lands on GPU 0 by default.
         torch.cuda.set_device(device)
@@ -190,34 +200,41 @@ def run_on_main(work, device: torch.device) -> None:
 
 
 def run_local_main_first(work, env: DistEnv, device: torch.device):
-    """`work()` on local rank 0 of every node first (it may download or unpack data into
-    node-local storage), then on the node's other ranks, which find it ready. Every rank
-    must call this."""
-    result = run_where(env.local_rank == 0, work, device)
-    return work() if env.local_rank != 0 else result
+    """`work()` (e.g. downloading or unpacking data) first on global rank 0, then on
+    local rank 0 of the other nodes (for node-local storage), then on every other rank,
+    which find it ready: never two writers at once. Every rank must call this."""
+    result = run_where(env.rank == 0, work, device)
+    result = run_where(env.local_rank == 0 and env.rank != 0, work, device, result)
+    return run_where(env.local_rank != 0, work, device, result)
 
 
-def run_where(here: bool, work, device: torch.device):
-    """`work()` on the ranks where `here` is True; then all ranks learn whether any failed
-    (one all-reduce, which also makes the others wait for it)."""
-    result, error = None, None
+class PeerFailed(UsageError):
+    """Another process failed and reports why; this one just stops."""
+
+
+def run_where(here: bool, work, device: torch.device, result=None):
+    """`work()` on the ranks where `here` is True; then all ranks learn whether any
+    failed (one all-reduce, which also makes the others wait for it). The lowest failing
+    rank raises its own error; every other rank raises PeerFailed, so one line is shown."""
+    error = None
     if here:
         try:
             result = work()
-        except (OSError, UsageError) as caught:
+        except Exception as caught:  # noqa: BLE001  every rank must reach the all-reduce
             error = caught
-    failed = torch.tensor([float(error is not None)], device=device)
-    all_reduce_sum(failed)
-    if error is not None:
-        if isinstance(error, OSError):
-            where = f" {error.filename!r}" if error.filename else ""
-            raise UsageError(f"cannot write{where}: {error.strerror or error}") from None
-        raise error
-    if failed.item():
-        raise UsageError("another process failed (its message says why)")
-    return result
-
-
+    rank, world = get_rank(), get_world_size()
+    reporter = torch.tensor([rank if error is not None else world], device=device)
+    if world > 1:
+        dist.all_reduce(reporter, op=dist.ReduceOp.MIN)
+    if int(reporter.item()) == world:
+        return result
+    if error is None or int(reporter.item()) != rank:
+        raise PeerFailed(f"rank {int(reporter.item())} failed")
+    if isinstance(error, OSError):
+        where = f" {error.filename!r}" if error.filename else ""
+        error = UsageError(f"cannot access{where}: {error.strerror or error}")
+    error.local = True  # raised on this rank only: report it here, even if not rank 0
+    raise error
 def all_gather_objects(obj) -> list:
     """Every rank's `obj`, in rank order; every rank must call this."""
     if get_world_size() == 1:

@@ -17,8 +17,8 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from config import Config
-from distributed import all_reduce_max, all_reduce_sum
+from config import Config, UsageError
+from distributed import PeerFailed, all_reduce_max, all_reduce_sum
 from optim import autocast
 from parallel import memory_format
 
@@ -76,11 +76,32 @@ def train_one_epoch(state: TrainState, loader, cfg: Config, device, progress, af
     mean loss over batch_size * world_size * accum_steps samples.
     """
     state.train_model.train()
-    accum = cfg.train.accum_steps
-    loss_sum = torch.zeros((), device=device)  # on the device: no sync per step
-    batches, start = 0, time.perf_counter()
+    start = time.perf_counter()
     step_ends = [start]  # host clock at each optimizer step: no device sync needed
     layout = memory_format(cfg)
+    try:
+        loss_sum, batches = train_steps(state, loader, cfg, device, progress, after_step, layout, step_ends)
+    except UsageError as error:
+        if not isinstance(error, PeerFailed):
+            error.local = True  # e.g. an unreadable image: only this rank knows
+        raise
+    elapsed = time.perf_counter() - start
+    totals = all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(batches, dtype=torch.float64, device=device)]))
+    samples = totals[1].item() * cfg.train.batch_size
+    step_times = [b - a for a, b in zip(step_ends, step_ends[1:])]
+    return {
+        "train_loss": (totals[0] / totals[1].clamp(min=1)).item(),
+        "samples_per_s": samples / max(elapsed, 1e-9),
+        "step_time_median_s": statistics.median(step_times) if step_times else 0.0,
+        "train_time_s": elapsed,
+    }
+
+
+def train_steps(state, loader, cfg, device, progress, after_step, layout, step_ends):
+    """The step loop of train_one_epoch; returns (loss sum, micro-batches run)."""
+    accum = cfg.train.accum_steps
+    loss_sum = torch.zeros((), device=device)  # on the device: no sync per step
+    batches = 0
     for images, labels in loader:
         images = images.to(device, non_blocking=True, memory_format=layout)
         labels = labels.to(device, non_blocking=True)
@@ -100,16 +121,7 @@ def train_one_epoch(state: TrainState, loader, cfg: Config, device, progress, af
             if after_step(state):
                 state.stopped_early = True
                 break
-    elapsed = time.perf_counter() - start
-    totals = all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(batches, dtype=torch.float64, device=device)]))
-    samples = totals[1].item() * cfg.train.batch_size
-    step_times = [b - a for a, b in zip(step_ends, step_ends[1:])]
-    return {
-        "train_loss": (totals[0] / totals[1].clamp(min=1)).item(),
-        "samples_per_s": samples / max(elapsed, 1e-9),
-        "step_time_median_s": statistics.median(step_times) if step_times else 0.0,
-        "train_time_s": elapsed,
-    }
+    return loss_sum, batches
 
 
 def gradient_sync(model: nn.Module, enabled: bool):

@@ -15,7 +15,7 @@ import torch.distributed
 from tqdm import tqdm
 
 from config import UsageError
-from distributed import get_rank, is_main
+from distributed import PeerFailed, get_rank, is_main
 
 
 def log(message: str) -> None:
@@ -101,7 +101,11 @@ def report_errors(main):
         try:
             return main(*args, **kwargs)
         except UsageError as error:
-            say(last_line(error))
+            # Errors every rank raises alike are shown by rank 0; an error raised on one
+            # rank only is shown by that rank; PeerFailed ranks stay quiet.
+            if not isinstance(error, PeerFailed) and (is_main() or getattr(error, "local", False)):
+                prefix = "" if is_main() else f"rank {get_rank()}: "
+                print(f"error: {prefix}{last_line(error)}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
         except RuntimeError as error:
             if not lost_peer(error):
@@ -121,14 +125,9 @@ def report_errors(main):
 def lost_peer(error: RuntimeError) -> bool:
     """A collective failed because another process died or stopped answering. gloo
     reports this as a plain RuntimeError, so its messages are recognised too."""
-    if isinstance(error, torch.distributed.DistError):
+    if isinstance(error, (torch.distributed.DistNetworkError, torch.distributed.DistStoreError)):
         return True
-    return bool(re.search(r"gloo|Connection (closed|reset)|Timed out|NCCL", str(error)))
-
-
-def say(message: str) -> None:
-    if is_main():
-        print(f"error: {message}", file=sys.stderr, flush=True)
+    return bool(re.search(r"Connection (closed|reset)|[Tt]imed out|timeout|Broken pipe", str(error)))
 
 
 def last_line(error: Exception) -> str:

@@ -32,7 +32,7 @@ class StopRequest:
         if get_world_size() > 1:
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
         self.next_check_step = 0
-        self.last_check = (0, time.monotonic())  # (step, time) of the previous comparison
+        self.last_check = None  # (step, time) of the previous comparison
 
     def install(self) -> "StopRequest":
         for sig in STOP_SIGNALS:
@@ -55,10 +55,14 @@ class StopRequest:
             return bool(self.signal_name)
         if step < self.next_check_step:
             return False
-        last_step, last_time = self.last_check
         now = time.monotonic()
-        steps_per_second = (step - last_step) / max(now - last_time, 1e-6)
-        proposal = step + max(1, int(steps_per_second * CHECK_EVERY_SECONDS)) if is_main() else 0
+        if self.last_check is None:  # the first step of this run: no rate known yet
+            proposal = step + 1
+        else:
+            last_step, last_time = self.last_check
+            steps_per_second = (step - last_step) / max(now - last_time, 1e-6)
+            proposal = step + max(1, int(steps_per_second * CHECK_EVERY_SECONDS))
+        proposal = proposal if is_main() else 0
         notes = torch.tensor([1.0 if self.signal_name else 0.0, float(proposal)], dtype=torch.float64)
         dist.all_reduce(notes, op=dist.ReduceOp.MAX, group=self.group)
         self.next_check_step = int(notes[1].item())

@@ -77,7 +77,7 @@ def main(argv=None) -> None:
         scheduler = build_scheduler(optimizer, cfg.train, steps_per_epoch)
         state = TrainState(model, train_model, optimizer, scheduler, build_grad_scaler(cfg.train.precision, device))
 
-        rng_restored = resume_train_state(state, cfg, env.rank, env.world_size)
+        rng_restored = resume_train_state(state, cfg, env.rank, env.world_size, device)
         run_on_main(lambda: save_config(cfg, Path(cfg.output_dir) / "config.yaml"), device)
         log(
             f"training on {env.world_size} process(es), {device.type}, {cfg.train.strategy}; {len(train_set)} "
@@ -93,7 +93,7 @@ def main(argv=None) -> None:
             rng_restored = False
             epoch_metrics = run_epoch(state, run)
             if epoch_metrics:
-                metrics_log.write(epoch_metrics)
+                run_on_main(lambda: metrics_log.write(epoch_metrics), device)
                 log(format_metrics(epoch_metrics))
     finally:
         cleanup_distributed()

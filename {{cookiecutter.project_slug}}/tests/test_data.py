@@ -79,3 +79,18 @@ def test_every_sample_of_every_epoch_has_its_own_random_stream():
     seeds = {derive_seed(0, epoch, index) for epoch in range(3) for index in range(5000)}
     assert len(seeds) == 3 * 5000
     assert derive_seed(0, 1, 2) == derive_seed(0, 1, 2) != derive_seed(1, 1, 2)
+
+
+def test_image_folder_keeps_metadata_in_arrays(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from data import ImageFiles
+
+    for label in ("a", "b"):
+        (tmp_path / label).mkdir()
+        for i in range(3):
+            Image.new("RGB", (4, 4), (i, 0, 0)).save(tmp_path / label / f"{i}.png")
+    files = ImageFiles(tmp_path, transform=lambda image: image)
+    assert isinstance(files.paths, np.ndarray) and isinstance(files.labels, torch.Tensor)
+    assert files.classes == ["a", "b"] and len(files) == 6 and files[4][1] == 1

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from config import ConfigError
+from config import ConfigError, UsageError
 from distributed import (
     DistEnv,
     expand_nodelist,
@@ -73,14 +73,17 @@ def test_nodelist_forms(nodelist, hosts):
 
 
 def test_backend_and_device_selection():
-    assert select_backend("auto", cuda_available=True) == "nccl"
+    assert select_backend("auto", cuda_available=True) == "cpu:gloo,cuda:nccl"
     assert select_backend("auto", cuda_available=False) == "gloo"
     assert select_backend("gloo", cuda_available=True) == "gloo"
     with pytest.raises(ConfigError, match="nccl needs CUDA"):
         select_backend("nccl", cuda_available=False)
     env = DistEnv(rank=5, world_size=8, local_rank=1, launcher="torchrun")
-    assert select_device(env, cuda_available=True) == torch.device("cuda", 1)
+    assert select_device(env, cuda_available=True, device_count=4) == torch.device("cuda", 1)
+    assert select_device(env, cuda_available=True, device_count=1) == torch.device("cuda", 0)  # one GPU per task
     assert select_device(env, cuda_available=False) == torch.device("cpu")
+    with pytest.raises(UsageError, match="local rank 3 has no GPU: 2 visible"):
+        select_device(DistEnv(local_rank=3, world_size=4, launcher="torchrun"), cuda_available=True, device_count=2)
 
 
 def test_sync_batchnorm_only_on_several_gpus():

@@ -257,7 +257,7 @@ def test_missing_config_file(tmp_path):
     assert one_error_line(result) == f"error: config file '{tmp_path / 'nope.yaml'}' not found (pass --config PATH)"
 
 
-def make_image_folder(root, bad_image=False, empty_class=False):
+def make_image_folder(root, bad_image=False, empty_class=False, bad_name="7.png"):
     from PIL import Image
 
     for split in ("train", "val"):
@@ -269,7 +269,7 @@ def make_image_folder(root, bad_image=False, empty_class=False):
             for i in range(24):
                 Image.new("RGB", (10, 10), (i * 10, 100 if label == "cat" else 0, 0)).save(folder / f"{i}.png")
     if bad_image:
-        (root / "train" / "cat" / "7.png").write_bytes(b"not a png")
+        (root / "train" / "cat" / bad_name).write_bytes(b"not a png")
 
 
 def test_imagefolder_trains(tmp_path):
@@ -294,6 +294,15 @@ def test_unreadable_image_is_named_from_a_worker(tmp_path):
     assert one_error_line(result).startswith(f"error: cannot read image {tmp_path / 'images' / 'train' / 'cat' / '7.png'}")
 
 
+def test_unreadable_image_on_rank_1_is_reported_by_rank_1(tmp_path):
+    # With seed 0, 8.png is in rank 1's first batch: rank 0 never sees the error itself.
+    make_image_folder(tmp_path / "images", bad_image=True, bad_name="8.png")
+    args = [*FAST, "data.name=imagefolder", f"data.root={tmp_path / 'images'}", "train.batch_size=8"]
+    result = run_script("train.py", [*args, f"output_dir={tmp_path / 'run'}"], nproc=2, check=False)
+    bad = tmp_path / "images" / "train" / "cat" / "8.png"
+    assert one_error_line(result).startswith(f"error: rank 1: cannot read image {bad}")
+
+
 def test_checkpoint_of_another_model_names_key_and_shapes(tmp_path):
     out = tmp_path / "run"
     run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=2"])
@@ -306,7 +315,7 @@ def test_unwritable_output_dir_stops_every_rank_at_start(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
     result = run_script("train.py", [*FAST, f"output_dir={blocker / 'run'}"], nproc=2, check=False, timeout=60)
-    assert one_error_line(result).startswith(f"error: cannot write '{blocker / 'run'}")
+    assert one_error_line(result).startswith(f"error: cannot access '{blocker / 'run'}")
 
 
 def limit_file_size():

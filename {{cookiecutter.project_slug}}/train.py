@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from checkpoint import resume_train_state, save_train_state
 from config import Config, load_config, save_config
 from data import build_datasets
-from distributed import DistEnv, cleanup_distributed, init_distributed_mode, run_local_main_first, run_on_main
+from distributed import DistEnv, broadcast_buffers, cleanup_distributed, init_distributed_mode, run_local_main_first, run_on_main
 from engine import TrainState, evaluate, train_one_epoch
 from loader import build_train_loader, build_val_loader, with_num_classes
 from logs import log, make_metrics_log, make_progress, report_errors
@@ -128,6 +128,8 @@ def run_epoch(state: TrainState, run: Run) -> dict | None:
         log(f"stopped at step {state.step} {reason or 'by ' + (signal_name or 'a signal to another process')}; "
             "checkpoint saved, run the same command to continue")
         return None
+    if cfg.train.strategy == "ddp":
+        broadcast_buffers(state.model)
     val_metrics = evaluate(state.model, run.val_loader, run.device, cfg.train.precision)
     memory = report_memory(run.device, f"epoch {epoch}")
     state.epoch, state.batches_done = epoch + 1, 0

@@ -35,6 +35,19 @@ def test_two_process_run_trains_evaluates_checkpoints_and_resumes(tmp_path, fast
     assert abs(result["val_loss"] - metrics[-1]["val_loss"]) < 1e-6
 
 
+def test_batchnorm_model_evaluates_what_rank_0_saves(tmp_path, fast_args):
+    # Without SyncBatchNorm (CPU) each rank's running statistics drift apart; evaluation
+    # must use rank 0's, which are the ones in the checkpoint.
+    out = tmp_path / "run"
+    args = [*fast_args, "model.name=resnet18", "data.train_size=256", "train.epochs=1", f"output_dir={out}"]
+    run_script("train.py", args, nproc=2)
+    evaluated = run_script("evaluate.py", ["--checkpoint", out / "checkpoints" / "last.pt"], nproc=2)
+    result = json.loads(evaluated.stdout.strip().splitlines()[-1])
+    trained = read_metrics(out)[-1]
+    assert result["val_acc"] == trained["val_acc"]
+    assert abs(result["val_loss"] - trained["val_loss"]) < 1e-6
+
+
 def test_single_process_run(tmp_path, fast_args):
     out = tmp_path / "run"
     run_script("train.py", [*fast_args, f"output_dir={out}", "train.epochs=1"])

@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader
 from checkpoint import resume_train_state, save_train_state
 from config import Config, load_config, save_config
 from data import build_datasets
-from distributed import DistEnv, broadcast_buffers, cleanup_distributed, init_distributed_mode, run_local_main_first, run_on_main
+from distributed import DistEnv, barrier, broadcast_buffers, cleanup_distributed, init_distributed_mode, run_local_main_first, run_on_main
 from engine import TrainState, evaluate, train_one_epoch
 from loader import build_train_loader, build_val_loader, with_num_classes
 from logs import log, make_metrics_log, make_progress, report_errors
@@ -95,6 +95,7 @@ def main(argv=None) -> None:
             if epoch_metrics:
                 run_on_main(lambda: metrics_log.write(epoch_metrics), device)
                 log(format_metrics(epoch_metrics))
+        barrier(device)  # leave together: tearing down a group with peers mid-call can abort
     finally:
         cleanup_distributed()
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -88,6 +89,13 @@ def finish(process: subprocess.Popen, seen: list, timeout=120) -> str:
     rest, _ = process.communicate(timeout=timeout)
     seen.append(rest)
     return "".join(seen)
+
+
+def free_port() -> int:
+    """A TCP port nobody listens on right now, for a rendezvous on loopback."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def children(pid: int) -> list[int]:

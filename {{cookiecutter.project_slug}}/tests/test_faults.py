@@ -13,7 +13,7 @@ import time
 
 import pytest
 import torch
-from conftest import FAST, PROJECT, children, clean_env, finish, read_metrics, run_script, start_script, wait_for_line
+from conftest import FAST, PROJECT, children, clean_env, finish, free_port, read_metrics, run_script, start_script, wait_for_line
 
 from checkpoint import load_checkpoint, save_checkpoint, step_checkpoints
 
@@ -190,14 +190,6 @@ def start_rank(rank, args, port):
     return subprocess.Popen(
         [sys.executable, "train.py", *args], cwd=PROJECT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-
-
-def free_port():
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL])

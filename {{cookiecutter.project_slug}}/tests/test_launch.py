@@ -1,22 +1,15 @@
 """Launch modes: several torchrun 'nodes' on this machine, and node-local preparation."""
 
-import socket
 import subprocess
 import sys
 
 import pytest
 import torch
-from conftest import FAST, PROJECT, clean_env, run_script
+from conftest import FAST, PROJECT, clean_env, free_port, run_script
 
 from checkpoint import load_checkpoint
 
 RUN = [*FAST, "train.epochs=1", "checkpoint.resume=none"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_node(node_rank: int, rendezvous: list[str], args: list, extra_env=None) -> subprocess.Popen:

@@ -8,7 +8,7 @@ per rank, and whether both ended with the same weights. Then DDP vs FSDP peak me
 a larger model, and (with --switches) the effect of each speed switch.
 
 It asserts nothing about time; it prints. Usage (from the template repo):
-    .venv/bin/python benchmarks/bench.py [--repeats 3] [--switches]
+    .venv/bin/python benchmarks/bench.py [--repeats 5] [--nprocs 1 2] [--switches]
 """
 
 import argparse
@@ -96,7 +96,8 @@ def same_weights(a: dict, b: dict) -> str:
 
 def compare_loops(project: Path, work: Path, repeats: int, nprocs: list[int]) -> None:
     print(f"\n== generated loop (a) vs hand-written loop (b), {repeats} alternating runs each")
-    header = f"{'procs':>5} {'loop':>4} {'step ms':>8} {'samples/s':>10} {'start+end s':>11} {'outside/epoch s':>15}  peak RSS MiB per rank"
+    print("   step ms: median over runs of each run's median step (spread: min-max over runs)")
+    header = f"{'procs':>5} {'loop':>4} {'step ms':>8} {'spread':>13} {'samples/s':>10} {'start+end s':>11} {'outside/epoch s':>15}  peak RSS MiB per rank"
     print(header)
     for nproc in nprocs:
         results = {"a": [], "b": []}
@@ -107,15 +108,19 @@ def compare_loops(project: Path, work: Path, repeats: int, nprocs: list[int]) ->
                 results[loop].append(runner(project, nproc, work / f"{loop}{nproc}"))
         for loop in ("a", "b"):
             rows = results[loop]
+            steps = [1e3 * r["step_s"] for r in rows]
             print(
-                f"{nproc:>5} {loop:>4} {1e3 * statistics.median(r['step_s'] for r in rows):>8.2f} "
+                f"{nproc:>5} {loop:>4} {statistics.median(steps):>8.2f} {min(steps):>6.2f}-{max(steps):<6.2f} "
                 f"{statistics.median(r['samples_per_s'] for r in rows):>10.0f} "
                 f"{statistics.median(r['startup_teardown_s'] for r in rows):>11.2f} "
                 f"{statistics.median(r['outside_per_epoch_s'] for r in rows):>15.3f}  "
-                f"{rows[-1]['rss_peak_mib']}"
+                f"{[round(m) for m in rows[-1]['rss_peak_mib']]}"
             )
         ratio = statistics.median(r["step_s"] for r in results["a"]) / statistics.median(r["step_s"] for r in results["b"])
-        print(f"{nproc:>5} a/b median step-time ratio {ratio:.3f}; final weights: "
+        # Pairwise ratios of runs made back to back share the machine's state at the time.
+        pairs = sorted(a["step_s"] / b["step_s"] for a, b in zip(results["a"], results["b"]))
+        print(f"{nproc:>5} a/b median step-time ratio {ratio:.3f} (back-to-back pairs: "
+              f"{', '.join(f'{p:.3f}' for p in pairs)}); final weights: "
               f"{same_weights(results['a'][-1]['weights'], results['b'][-1]['weights'])}")
 
 
@@ -150,7 +155,7 @@ def compare_switches(project: Path, work: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--nprocs", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--switches", action="store_true", help="also time each speed switch")
     args = parser.parse_args()

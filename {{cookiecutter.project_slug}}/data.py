@@ -1,6 +1,8 @@
 """Datasets: edit this file to train on your own data.
 
-`build_datasets(cfg)` returns (train_dataset, val_dataset). Each item is
+`prepare_data(cfg)` downloads or unpacks files, if a dataset needs that; train.py runs it
+on one process per node at a time. `build_datasets(cfg)` then runs on every process at
+once and returns (train_dataset, val_dataset); it only reads. Each item is
 (image tensor [C, H, W], integer label). Rules that keep distributed training correct:
 - `__getitem__` returns fresh tensors, never an object the dataset keeps (a caller that
   mutates it would change the dataset, and workers would copy it on every read).
@@ -28,6 +30,15 @@ class DataError(UsageError):
     pass
 
 
+def prepare_data(cfg: Config) -> None:
+    """Fetch what build_datasets reads (nothing for synthetic data or an image folder)."""
+    if cfg.data.name == "cifar10" and cfg.data.download:
+        from torchvision.datasets import CIFAR10
+
+        for train in (True, False):
+            CIFAR10(cfg.data.root, train=train, download=True)
+
+
 def build_datasets(cfg: Config) -> tuple[Dataset, Dataset]:
     data = cfg.data
     train_tf = train_transform(data.image_size, data.augment)
@@ -39,7 +50,7 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset]:
     if data.name == "imagefolder":
         return image_folder(Path(data.root), data.image_size, train_tf)
     if data.name == "cifar10":
-        return cifar10(Path(data.root), data.download, train_tf, val_tf)
+        return cifar10(Path(data.root), train_tf, val_tf)
     raise DataError(f"unknown data.name {data.name!r}: add it to build_datasets in data.py")
 
 
@@ -144,13 +155,13 @@ def read_image(path: str):
         raise DataError(f"cannot read image {path}: {error}") from None
 
 
-def cifar10(root: Path, download: bool, train_tf, val_tf) -> tuple[Dataset, Dataset]:
+def cifar10(root: Path, train_tf, val_tf) -> tuple[Dataset, Dataset]:
     from torchvision.datasets import CIFAR10
 
     to_tensor = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
     try:
-        train = CIFAR10(str(root), train=True, download=download, transform=v2.Compose([*to_tensor, train_tf]))
-        val = CIFAR10(str(root), train=False, download=download, transform=v2.Compose([*to_tensor, val_tf]))
+        train = CIFAR10(str(root), train=True, transform=v2.Compose([*to_tensor, train_tf]))
+        val = CIFAR10(str(root), train=False, transform=v2.Compose([*to_tensor, val_tf]))
     except RuntimeError as error:  # torchvision's "Dataset not found or corrupted"
         raise DataError(f"cifar10 in {str(root)!r}: {error} (set data.download=true to fetch it)") from None
     return train, val

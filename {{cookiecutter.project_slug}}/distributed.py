@@ -199,6 +199,12 @@ def run_on_main(work, device: torch.device) -> None:
     run_where(is_main(), work, device)
 
 
+def run_everywhere(work, device: torch.device):
+    """`work()` on every rank at once; if it fails anywhere, one line says why and every
+    rank stops. Every rank must call this."""
+    return run_where(True, work, device)
+
+
 def run_local_main_first(work, env: DistEnv, device: torch.device):
     """`work()` (e.g. downloading or unpacking data) first on global rank 0, then on
     local rank 0 of the other nodes (for node-local storage), then on every other rank,

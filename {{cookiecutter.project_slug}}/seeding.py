@@ -11,13 +11,23 @@ import hashlib
 import os
 import random
 
+import numpy as np
 import torch
-
 
 def derive_seed(*parts: int) -> int:
     """A well-mixed 63-bit seed from integers; nearby inputs give unrelated seeds."""
     text = "/".join(str(int(p)) for p in parts).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
+def sample_seeds(epoch_seed: int, indices: list[int]) -> list[int]:
+    """One seed per sample index from its epoch's `derive_seed(seed, epoch)`, by a
+    splitmix64 step on whole arrays: a whole epoch costs less than one training step.
+    Distinct indices give distinct 64-bit values (each step is a bijection)."""
+    x = np.asarray(indices, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(epoch_seed)
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return ((x ^ (x >> np.uint64(31))) >> np.uint64(1)).tolist()  # uint64 wraps, by design
 
 
 def seed_everything(seed: int) -> None:

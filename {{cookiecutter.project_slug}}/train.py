@@ -9,6 +9,7 @@ Re-running with the same output_dir continues from its last checkpoint
 """
 
 import argparse
+import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,12 +21,12 @@ from torch.utils.data import DataLoader
 
 from checkpoint import resume_train_state, save_train_state
 from config import Config, load_config, save_config
-from data import build_datasets
-from distributed import DistEnv, barrier, broadcast_buffers, cleanup_distributed, init_distributed_mode, run_local_main_first, run_on_main
+from data import build_datasets, prepare_data
+from distributed import DistEnv, barrier, broadcast_buffers, cleanup_distributed, init_distributed_mode, run_everywhere, run_local_main_first, run_on_main
 from engine import TrainState, evaluate, train_one_epoch
 from loader import build_train_loader, build_val_loader, with_num_classes
 from logs import log, make_metrics_log, make_progress, report_errors
-from memory import report_memory
+from memory import freeze_setup_objects, report_memory
 from model import BLOCKS, build_model
 from parallel import wrap_model
 from optim import build_grad_scaler, build_optimizer, build_scheduler, check_precision
@@ -64,7 +65,8 @@ def main(argv=None) -> None:
         check_precision(cfg, device)
         set_determinism(cfg.train.deterministic, device)
 
-        train_set, val_set = run_local_main_first(lambda: build_datasets(cfg), env, device)
+        run_local_main_first(lambda: prepare_data(cfg), env, device)  # one writer at a time per node
+        train_set, val_set = run_everywhere(lambda: build_datasets(cfg), device)
         cfg = with_num_classes(cfg, train_set)
         train_loader = build_train_loader(train_set, cfg, env, device)
         val_loader = build_val_loader(val_set, cfg, env, device)
@@ -87,6 +89,7 @@ def main(argv=None) -> None:
 
         run = Run(cfg, env, device, train_loader, val_loader, stop_request, state.step + min(10, steps_per_epoch))
         metrics_log = make_metrics_log(cfg.output_dir)
+        freeze_setup_objects()  # no full garbage collection pauses inside the steps
         while state.epoch < cfg.train.epochs and not state.stopped_early:
             if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
                 seed_everything(derive_seed(cfg.seed, env.rank, state.epoch))
@@ -97,6 +100,7 @@ def main(argv=None) -> None:
                 log(format_metrics(epoch_metrics))
         barrier(device)  # leave together: tearing down a group with peers mid-call can abort
     finally:
+        gc.unfreeze()
         cleanup_distributed()
 
 
@@ -114,7 +118,7 @@ def run_epoch(state: TrainState, run: Run) -> dict | None:
         if not stop and cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0:
             save_train_state(state, cfg, run.env.world_size, run.device)
         if state.step == run.memory_report_step:
-            report_memory(run.device, f"after step {state.step}")
+            report_memory(run.device, f"after step {state.step}", count_tensors=False)
         return stop
 
     epoch_start = time.perf_counter()

@@ -4,7 +4,7 @@ from config import load_config
 from data import build_datasets
 from distributed import DistEnv
 from loader import SeededSamples, ShardSampler, TrainSampler, micro_batches_per_epoch
-from seeding import derive_seed
+from seeding import derive_seed, sample_seeds
 
 
 def datasets(*overrides):
@@ -29,12 +29,17 @@ def test_samples_are_fresh_copies():
 
 def test_augmentation_is_a_function_of_seed_epoch_and_index():
     train, _ = datasets()
-    seeded = SeededSamples(train, seed=0)
+    seeded = SeededSamples(train)
+    seed_0, seed_1 = (sample_seeds(derive_seed(0, epoch), [5])[0] for epoch in (0, 1))
     state = torch.get_rng_state()
-    first = seeded[(0, 5)][0]
+    first = seeded[(seed_0, 5)][0]
     assert torch.equal(torch.get_rng_state(), state)  # caller's RNG untouched
-    assert torch.equal(seeded[(0, 5)][0], first)
-    assert not torch.equal(seeded[(1, 5)][0], first)
+    assert torch.equal(seeded[(seed_0, 5)][0], first)
+    assert not torch.equal(seeded[(seed_1, 5)][0], first)
+    # A batch gives each sample what it gets alone, whatever its neighbours.
+    batch = seeded.__getitems__([(seed_1, 7), (seed_0, 5), (seed_0, 6)])
+    assert torch.equal(batch[1][0], first) and torch.equal(batch[0][0], seeded[(seed_1, 7)][0])
+    assert torch.equal(torch.get_rng_state(), state)
 
 
 def test_train_batches_do_not_depend_on_world_size():
@@ -47,8 +52,8 @@ def test_train_batches_do_not_depend_on_world_size():
             env = DistEnv(rank=rank, world_size=world_size, launcher="torchrun")
             sampler = TrainSampler(train, env, seed=0, batch_size=batch_size, num_batches=64 // (world_size * batch_size))
             sampler.set_epoch(3)
-            indices = [index for _, index in sampler]
-            ranks.append([indices[i : i + batch_size] for i in range(0, len(indices), batch_size)])
+            keys = list(sampler)  # (sample seed, index)
+            ranks.append([keys[i : i + batch_size] for i in range(0, len(keys), batch_size)])
         return [sorted(sum(step, [])) for step in zip(*ranks)]
 
     assert global_batches(1, 16) == global_batches(2, 8) == global_batches(4, 4)
@@ -76,8 +81,8 @@ def test_eval_shards_cover_every_sample_once():
 def test_every_sample_of_every_epoch_has_its_own_random_stream():
     # Augmentation is seeded per (seed, epoch, index), so no two ranks or workers (which
     # always load different indices) can draw the same random numbers.
-    seeds = {derive_seed(0, epoch, index) for epoch in range(3) for index in range(5000)}
-    assert len(seeds) == 3 * 5000
+    seeds = {seed for epoch in range(3) for seed in sample_seeds(derive_seed(0, epoch), list(range(5000)))}
+    assert len(seeds) == 3 * 5000 and all(0 <= seed < 2**63 for seed in seeds)
     assert derive_seed(0, 1, 2) == derive_seed(0, 1, 2) != derive_seed(1, 1, 2)
 
 

@@ -1,5 +1,6 @@
 """Memory: per-rank reports, CPU-mapped loads, no leaks, and the memory savers."""
 
+import gc
 import json
 
 import pytest
@@ -7,7 +8,7 @@ import torch
 from conftest import FAST, PROJECT, read_metrics, run_script
 
 from checkpoint import load_checkpoint
-from memory import imbalance_warning
+from memory import count_live_tensors, freeze_setup_objects, imbalance_warning
 from model import BLOCKS, MLP, small_image_resnet18
 from parallel import checkpoint_activations
 
@@ -65,6 +66,21 @@ def test_every_load_during_resume_is_cpu_mapped_and_weights_only(tmp_path):
     calls = [call for rank in (0, 1) for call in json.loads((tmp_path / f"loads{rank}").read_text())]
     assert len(calls) >= 2
     assert all(call == {"map_location": "cpu", "weights_only": True} for call in calls), calls
+
+
+def test_garbage_collections_after_setup_skip_setup_objects():
+    model = MLP(in_features=12, hidden_dim=16, num_classes=10)
+    try:
+        freeze_setup_objects()
+        tracked = {id(obj) for obj in gc.get_objects()}  # what a full collection walks
+        assert not any(id(p) in tracked for p in model.parameters())
+        before = count_live_tensors()
+        made_in_the_loop = [torch.zeros(1) for _ in range(3)]
+        assert count_live_tensors() == before + 3  # a leak in the loop still shows
+    finally:
+        gc.unfreeze()
+    assert all(id(p) in {id(obj) for obj in gc.get_objects()} for p in model.parameters())
+    del made_in_the_loop
 
 
 def test_memory_stays_flat_over_epochs(tmp_path):

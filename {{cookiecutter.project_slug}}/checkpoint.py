@@ -192,8 +192,7 @@ def load_resume_checkpoint(cfg) -> tuple[Path, dict] | None:
             log(f"warning: {error}; trying an older checkpoint")
     if candidates:
         raise CheckpointError(
-            f"no readable checkpoint in {str(directory)!r}; move it away to start over, "
-            "or set checkpoint.resume=PATH"
+            f"no readable checkpoint in {str(directory)!r}; move it away to start over, or set checkpoint.resume=PATH"
         )
     return None
 
@@ -254,7 +253,10 @@ def resume_train_state(state, cfg, rank: int, world_size: int, device) -> bool:
     if state.batches_done == 0:
         return False
     same_layout = (ckpt["world_size"], saved["batch_size"], saved["accum_steps"]) == (
-        world_size, cfg.train.batch_size, cfg.train.accum_steps)
+        world_size,
+        cfg.train.batch_size,
+        cfg.train.accum_steps,
+    )
     if same_layout:
         restore_rng_state(ckpt["rng"][rank])
         return True

@@ -241,6 +241,8 @@ def run_where(here: bool, work, device: torch.device, result=None):
         error = UsageError(f"cannot access{where}: {error.strerror or error}")
     error.local = True  # raised on this rank only: report it here, even if not rank 0
     raise error
+
+
 def broadcast_buffers(model: torch.nn.Module) -> None:
     """Give every rank rank 0's buffers (e.g. BatchNorm running statistics, which each
     rank updates from its own batches unless SyncBatchNorm spans them), so all ranks

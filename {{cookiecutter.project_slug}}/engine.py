@@ -1,6 +1,7 @@
 """The training step loop and exact distributed evaluation."""
 
 import contextlib
+import itertools
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -21,7 +22,6 @@ from config import Config, UsageError
 from distributed import PeerFailed, all_reduce_max, all_reduce_sum
 from optim import autocast
 from parallel import memory_format
-
 
 FULL = StateDictOptions(full_state_dict=True)
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -88,7 +88,7 @@ def train_one_epoch(state: TrainState, loader, cfg: Config, device, progress, af
     elapsed = time.perf_counter() - start
     totals = all_reduce_sum(torch.stack([loss_sum.double(), torch.tensor(batches, dtype=torch.float64, device=device)]))
     samples = totals[1].item() * cfg.train.batch_size
-    step_times = [b - a for a, b in zip(step_ends, step_ends[1:])]
+    step_times = [b - a for a, b in itertools.pairwise(step_ends)]
     return {
         "train_loss": (totals[0] / totals[1].clamp(min=1)).item(),
         "samples_per_s": samples / max(elapsed, 1e-9),

@@ -40,7 +40,7 @@ class TrainSampler(DistributedSampler):
         indices = list(super().__iter__())
         begin, end = self.start_batch * self.batch_size, self.num_batches * self.batch_size
         indices = indices[begin:end]
-        return zip(sample_seeds(derive_seed(self.seed, self.epoch), indices), indices)
+        return zip(sample_seeds(derive_seed(self.seed, self.epoch), indices), indices, strict=True)
 
     def __len__(self):
         return (self.num_batches - self.start_batch) * self.batch_size

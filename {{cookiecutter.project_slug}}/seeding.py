@@ -14,6 +14,7 @@ import random
 import numpy as np
 import torch
 
+
 def derive_seed(*parts: int) -> int:
     """A well-mixed 63-bit seed from integers; nearby inputs give unrelated seeds."""
     text = "/".join(str(int(p)) for p in parts).encode()

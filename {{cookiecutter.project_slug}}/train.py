@@ -9,27 +9,36 @@ Re-running with the same output_dir continues from its last checkpoint
 """
 
 import argparse
+import functools
 import gc
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-
 from torch.distributed.elastic.multiprocessing.errors import record
 from torch.utils.data import DataLoader
 
 from checkpoint import resume_train_state, save_train_state
 from config import Config, load_config, save_config
 from data import build_datasets, prepare_data
-from distributed import DistEnv, barrier, broadcast_buffers, cleanup_distributed, init_distributed_mode, run_everywhere, run_local_main_first, run_on_main
+from distributed import (
+    DistEnv,
+    barrier,
+    broadcast_buffers,
+    cleanup_distributed,
+    init_distributed_mode,
+    run_everywhere,
+    run_local_main_first,
+    run_on_main,
+)
 from engine import TrainState, evaluate, train_one_epoch
 from loader import build_train_loader, build_val_loader, with_num_classes
 from logs import log, make_metrics_log, make_progress, report_errors
 from memory import freeze_setup_objects, report_memory
 from model import BLOCKS, build_model
-from parallel import wrap_model
 from optim import build_grad_scaler, build_optimizer, build_scheduler, check_precision
+from parallel import wrap_model
 from preemption import StopRequest
 from seeding import derive_seed, seed_everything, set_determinism
 
@@ -96,7 +105,7 @@ def main(argv=None) -> None:
             rng_restored = False
             epoch_metrics = run_epoch(state, run)
             if epoch_metrics:
-                run_on_main(lambda: metrics_log.write(epoch_metrics), device)
+                run_on_main(functools.partial(metrics_log.write, epoch_metrics), device)
                 log(format_metrics(epoch_metrics))
         barrier(device)  # leave together: tearing down a group with peers mid-call can abort
     finally:
@@ -130,8 +139,10 @@ def run_epoch(state: TrainState, run: Run) -> dict | None:
         save_train_state(state, cfg, run.env.world_size, run.device)
         signal_name = run.stop_request.signal_name
         reason = "at train.stop_at_step" if state.step == cfg.train.stop_at_step and not signal_name else ""
-        log(f"stopped at step {state.step} {reason or 'by ' + (signal_name or 'a signal to another process')}; "
-            "checkpoint saved, run the same command to continue")
+        log(
+            f"stopped at step {state.step} {reason or 'by ' + (signal_name or 'a signal to another process')}; "
+            "checkpoint saved, run the same command to continue"
+        )
         return None
     if cfg.train.strategy == "ddp":
         broadcast_buffers(state.model)
@@ -145,8 +156,13 @@ def run_epoch(state: TrainState, run: Run) -> dict | None:
     outside_s = time.perf_counter() - epoch_start - train_metrics["train_time_s"]
     lr = state.scheduler.get_last_lr()[0]
     return {
-        "epoch": epoch, "step": state.step, **train_metrics, **val_metrics,
-        "lr": lr, "outside_train_s": outside_s, "memory": memory,
+        "epoch": epoch,
+        "step": state.step,
+        **train_metrics,
+        **val_metrics,
+        "lr": lr,
+        "outside_train_s": outside_s,
+        "memory": memory,
     }
 
 

@@ -44,7 +44,9 @@ def test_round_trip_is_plain_data(tmp_path):
     other, _ = make_state(seed=1)
     load_model_weights(other.model, loaded["model"], "last.pt")
     other.load_state_dict(loaded)
-    assert torch.equal(other.optimizer.state_dict()["state"][0]["exp_avg"], state.optimizer.state_dict()["state"][0]["exp_avg"])
+    assert torch.equal(
+        other.optimizer.state_dict()["state"][0]["exp_avg"], state.optimizer.state_dict()["state"][0]["exp_avg"]
+    )
     assert (tmp_path / "best.pt").read_bytes() == path.read_bytes()
 
 
@@ -65,7 +67,9 @@ def test_wrapper_prefixes_are_stripped():
 
 def test_mismatched_model_names_key_and_shapes():
     small, big = MLP(12, 8, 3), MLP(12, 16, 3)
-    with pytest.raises(CheckpointError, match=r"'net.1.linear.weight' has shape \(16, 12\) in the checkpoint but \(8, 12\)"):
+    with pytest.raises(
+        CheckpointError, match=r"'net.1.linear.weight' has shape \(16, 12\) in the checkpoint but \(8, 12\)"
+    ):
         load_model_weights(small, big.state_dict(), "x.pt")
 
 

@@ -50,11 +50,13 @@ def test_train_batches_do_not_depend_on_world_size():
         ranks = []
         for rank in range(world_size):
             env = DistEnv(rank=rank, world_size=world_size, launcher="torchrun")
-            sampler = TrainSampler(train, env, seed=0, batch_size=batch_size, num_batches=64 // (world_size * batch_size))
+            sampler = TrainSampler(
+                train, env, seed=0, batch_size=batch_size, num_batches=64 // (world_size * batch_size)
+            )
             sampler.set_epoch(3)
             keys = list(sampler)  # (sample seed, index)
             ranks.append([keys[i : i + batch_size] for i in range(0, len(keys), batch_size)])
-        return [sorted(sum(step, [])) for step in zip(*ranks)]
+        return [sorted(sum(step, [])) for step in zip(*ranks, strict=True)]
 
     assert global_batches(1, 16) == global_batches(2, 8) == global_batches(4, 4)
     assert micro_batches_per_epoch(64, cfg, DistEnv(world_size=2, launcher="torchrun")) == 4

@@ -7,9 +7,9 @@ import json
 
 import pytest
 import torch
-from conftest import FAST, read_metrics, run_script
 
 from checkpoint import load_checkpoint
+from conftest import FAST, read_metrics, run_script
 
 
 def final_state(output_dir):

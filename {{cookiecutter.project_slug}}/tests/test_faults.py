@@ -13,9 +13,20 @@ import time
 
 import pytest
 import torch
-from conftest import FAST, PROJECT, children, clean_env, finish, free_port, read_metrics, run_script, start_script, wait_for_line
 
 from checkpoint import load_checkpoint, save_checkpoint, step_checkpoints
+from conftest import (
+    FAST,
+    PROJECT,
+    children,
+    clean_env,
+    finish,
+    free_port,
+    read_metrics,
+    run_script,
+    start_script,
+    wait_for_line,
+)
 
 # Long enough epochs that a signal lands mid-epoch; runs end at train.stop_at_step.
 LONG = [*FAST, "data.train_size=8192", "train.log_every_steps=1", "data.augment=true", "model.dropout=0.1"]
@@ -185,10 +196,21 @@ def test_killed_worker_is_restarted_and_finishes_exactly(tmp_path, uninterrupted
 
 def start_rank(rank, args, port):
     env = clean_env(
-        {"RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+        {
+            "RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_RANK": str(rank),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
     )
     return subprocess.Popen(
-        [sys.executable, "train.py", *args], cwd=PROJECT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+        [sys.executable, "train.py", *args],
+        cwd=PROJECT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
 
 
@@ -267,7 +289,13 @@ def make_image_folder(root, bad_image=False, empty_class=False, bad_name="7.png"
 def test_imagefolder_trains(tmp_path):
     make_image_folder(tmp_path / "images")
     out = tmp_path / "run"
-    args = [*FAST, "data.name=imagefolder", f"data.root={tmp_path / 'images'}", "train.batch_size=8", f"output_dir={out}"]
+    args = [
+        *FAST,
+        "data.name=imagefolder",
+        f"data.root={tmp_path / 'images'}",
+        "train.batch_size=8",
+        f"output_dir={out}",
+    ]
     run_script("train.py", [*args, "train.epochs=1"])
     assert read_metrics(out)[0]["num_samples"] == 48
 
@@ -281,9 +309,17 @@ def test_empty_class_folder_is_named(tmp_path):
 
 def test_unreadable_image_is_named_from_a_worker(tmp_path):
     make_image_folder(tmp_path / "images", bad_image=True)
-    args = [*FAST, "data.name=imagefolder", f"data.root={tmp_path / 'images'}", "data.num_workers=2", "train.batch_size=8"]
+    args = [
+        *FAST,
+        "data.name=imagefolder",
+        f"data.root={tmp_path / 'images'}",
+        "data.num_workers=2",
+        "train.batch_size=8",
+    ]
     result = run_script("train.py", [*args, f"output_dir={tmp_path / 'run'}"], nproc=2, check=False)
-    assert one_error_line(result).startswith(f"error: cannot read image {tmp_path / 'images' / 'train' / 'cat' / '7.png'}")
+    assert one_error_line(result).startswith(
+        f"error: cannot read image {tmp_path / 'images' / 'train' / 'cat' / '7.png'}"
+    )
 
 
 def test_unreadable_image_on_rank_1_is_reported_by_rank_1(tmp_path):

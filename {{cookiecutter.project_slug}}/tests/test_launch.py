@@ -5,9 +5,9 @@ import sys
 
 import pytest
 import torch
-from conftest import FAST, PROJECT, clean_env, free_port, run_script
 
 from checkpoint import load_checkpoint
+from conftest import FAST, PROJECT, clean_env, free_port, run_script
 
 RUN = [*FAST, "train.epochs=1", "checkpoint.resume=none"]
 
@@ -15,16 +15,28 @@ RUN = [*FAST, "train.epochs=1", "checkpoint.resume=none"]
 def torchrun_node(node_rank: int, rendezvous: list[str], args: list, extra_env=None) -> subprocess.Popen:
     """One 'node' of a two-node job: its own torchrun agent with one worker."""
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node-rank={node_rank}",
-         "--nproc-per-node=1", *rendezvous, *map(str, args)],
-        cwd=PROJECT, env=clean_env(extra_env), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes=2",
+            f"--node-rank={node_rank}",
+            "--nproc-per-node=1",
+            *rendezvous,
+            *map(str, args),
+        ],
+        cwd=PROJECT,
+        env=clean_env(extra_env),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
     )
 
 
 def run_two_nodes(rendezvous, args, extra_env=None):
     nodes = [torchrun_node(rank, rendezvous, args, extra_env) for rank in (0, 1)]
     outputs = [node.communicate(timeout=240)[0] for node in nodes]
-    for node, output in zip(nodes, outputs):
+    for node, output in zip(nodes, outputs, strict=True):
         assert node.returncode == 0, output
     return outputs
 

@@ -5,9 +5,9 @@ import json
 
 import pytest
 import torch
-from conftest import FAST, PROJECT, read_metrics, run_script
 
 from checkpoint import load_checkpoint
+from conftest import FAST, PROJECT, read_metrics, run_script
 from memory import count_live_tensors, freeze_setup_objects, imbalance_warning
 from model import BLOCKS, MLP, small_image_resnet18
 from parallel import checkpoint_activations
@@ -120,7 +120,7 @@ def test_activation_checkpointing_same_gradients_less_memory(make):
     loss_a.backward()
     loss_b.backward()
     assert torch.equal(loss_a, loss_b)
-    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters()):
+    for (name, a), b in zip(plain.named_parameters(), checkpointed.parameters(), strict=True):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=name)
     assert bytes_b < 0.7 * bytes_a, (bytes_a, bytes_b)
     assert checkpointed.state_dict().keys() == plain.state_dict().keys()
@@ -139,7 +139,9 @@ def test_fsdp_and_ddp_resume_each_other(tmp_path):
     run_script("train.py", [*args, f"output_dir={ddp}"], nproc=2)
     run_script("train.py", [*args, f"output_dir={mixed}", "train.strategy=fsdp", "train.stop_at_step=10"], nproc=2)
     run_script("train.py", [*args, f"output_dir={mixed}", "train.strategy=ddp", "train.stop_at_step=20"], nproc=2)
-    last = run_script("train.py", [*args, f"output_dir={mixed}", "train.strategy=fsdp", "train.fsdp_cpu_offload=true"], nproc=2)
+    last = run_script(
+        "train.py", [*args, f"output_dir={mixed}", "train.strategy=fsdp", "train.fsdp_cpu_offload=true"], nproc=2
+    )
     assert "cpu, fsdp" in last.stdout
     a = load_checkpoint(ddp / "checkpoints" / "last.pt")
     b = load_checkpoint(mixed / "checkpoints" / "last.pt")

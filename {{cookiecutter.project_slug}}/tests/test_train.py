@@ -4,9 +4,9 @@ import json
 
 import pytest
 import torch
-from conftest import FAST, read_metrics, run_script
 
 from checkpoint import load_checkpoint
+from conftest import FAST, read_metrics, run_script
 
 FAST_SHORT = [*FAST, "train.epochs=1", "data.train_size=512"]
 

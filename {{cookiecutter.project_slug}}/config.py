@@ -77,6 +77,7 @@ class TrainConfig:
     fsdp_cpu_offload: bool = False  # fsdp only: keep sharded parameters in CPU memory
     eval_batch_size: int = 256  # per process
     log_every_steps: int = 10
+    tensorboard: bool = True  # curves in output_dir/tensorboard (rank 0; needs the tensorboard package)
     stop_at_step: int = 0  # stop with a checkpoint at this optimizer step; 0 = run all epochs
     deterministic: bool = False  # torch.use_deterministic_algorithms
 

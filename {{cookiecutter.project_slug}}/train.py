@@ -34,7 +34,15 @@ from distributed import (
 )
 from engine import TrainState, evaluate, train_one_epoch
 from loader import build_train_loader, build_val_loader, with_num_classes
-from logs import log, make_metrics_log, make_progress, report_errors
+from logs import (
+    NoTensorBoardLog,
+    TensorBoardLog,
+    log,
+    make_metrics_log,
+    make_progress,
+    make_tensorboard_log,
+    report_errors,
+)
 from memory import freeze_setup_objects, report_memory
 from model import BLOCKS, build_model
 from optim import build_grad_scaler, build_optimizer, build_scheduler, check_precision
@@ -61,6 +69,7 @@ class Run:
     val_loader: DataLoader
     stop_request: StopRequest
     memory_report_step: int  # report per-rank memory once, early, at this step
+    tensorboard_log: TensorBoardLog | NoTensorBoardLog
 
 
 @record  # the failing rank's traceback reaches torchrun's summary
@@ -96,17 +105,23 @@ def main(argv=None) -> None:
             f"{cfg.train.batch_size * env.world_size * cfg.train.accum_steps}; {steps_per_epoch} steps/epoch"
         )
 
-        run = Run(cfg, env, device, train_loader, val_loader, stop_request, state.step + min(10, steps_per_epoch))
         metrics_log = make_metrics_log(cfg.output_dir)
+        tensorboard_log = make_tensorboard_log(cfg.output_dir, cfg.train.tensorboard, start_step=state.step)
+        memory_report_step = state.step + min(10, steps_per_epoch)
+        run = Run(cfg, env, device, train_loader, val_loader, stop_request, memory_report_step, tensorboard_log)
         freeze_setup_objects()  # no full garbage collection pauses inside the steps
-        while state.epoch < cfg.train.epochs and not state.stopped_early:
-            if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
-                seed_everything(derive_seed(cfg.seed, env.rank, state.epoch))
-            rng_restored = False
-            epoch_metrics = run_epoch(state, run)
-            if epoch_metrics:
-                run_on_main(functools.partial(metrics_log.write, epoch_metrics), device)
-                log(format_metrics(epoch_metrics))
+        try:
+            while state.epoch < cfg.train.epochs and not state.stopped_early:
+                if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
+                    seed_everything(derive_seed(cfg.seed, env.rank, state.epoch))
+                rng_restored = False
+                epoch_metrics = run_epoch(state, run)
+                if epoch_metrics:
+                    run_on_main(functools.partial(metrics_log.write, epoch_metrics), device)
+                    run_on_main(functools.partial(tensorboard_log.write_epoch, epoch_metrics), device)
+                    log(format_metrics(epoch_metrics))
+        finally:
+            tensorboard_log.close()  # what is still buffered reaches the disk, also on failure
         barrier(device)  # leave together: tearing down a group with peers mid-call can abort
     finally:
         gc.unfreeze()
@@ -119,7 +134,10 @@ def run_epoch(state: TrainState, run: Run) -> dict | None:
     cfg, epoch, accum = run.cfg, state.epoch, run.cfg.train.accum_steps
     run.train_loader.sampler.set_epoch(epoch, start_batch=state.batches_done)
     steps_per_epoch = run.train_loader.sampler.num_batches // accum
-    progress = make_progress(epoch, steps_per_epoch, state.batches_done // accum, cfg.train.log_every_steps)
+    done_steps, samples_per_step = state.batches_done // accum, cfg.train.batch_size * run.env.world_size * accum
+    progress = make_progress(
+        epoch, steps_per_epoch, done_steps, cfg.train.log_every_steps, samples_per_step, run.tensorboard_log
+    )
 
     def after_step(state) -> bool:
         """Periodic checkpoints and reports; True to stop (stop_at_step or a signal)."""

@@ -3,7 +3,8 @@
 Cookiecutter renders each answer as a Jinja template, so an answer holding `{{`, `{%` or
 `{#` (e.g. a description mentioning `${{ github.ref }}`) would be evaluated or crash with a
 traceback. `SafeStringsExtension` keeps such answers as plain text; its filters then turn
-an answer into a literal that each target file's parser reads back exactly.
+an answer into a literal that each target file's parser reads back exactly, and write
+the answers for the baked project's .cookiecutter.json.
 """
 
 import json
@@ -39,6 +40,13 @@ def toml_str(value: object) -> str:
 def one_line(value: object) -> str:
     """The text on one line, for Markdown headings and comments."""
     return re.sub(r"\s+", " ", str(value)).strip()
+
+
+def answers_json(context) -> str:
+    """The answers as a cookiecutter replay file (`cookiecutter --replay-file`), for the
+    baked project's .cookiecutter.json. Paths of the machine that baked it are left out."""
+    answers = {key: value for key, value in dict(context).items() if key not in ("_output_dir", "_repo_dir")}
+    return json.dumps({"cookiecutter": answers}, indent=2, ensure_ascii=False)
 
 
 def template_sources() -> set[str]:
@@ -84,7 +92,7 @@ class SafeStringsExtension(Extension):
     def __init__(self, environment):
         super().__init__(environment)
         quiet_hook_failures()
-        environment.filters.update(py_str=py_str, toml_str=toml_str, one_line=one_line)
+        environment.filters.update(py_str=py_str, toml_str=toml_str, one_line=one_line, answers_json=answers_json)
         self.trusted = template_sources()
         self.literals = {}
 

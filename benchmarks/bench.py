@@ -32,10 +32,20 @@ HANDWRITTEN = Path(__file__).with_name("handwritten.py")
 # The same math in both loops: no augmentation, constant lr, no weight decay, and no
 # evaluation-time randomness. Large enough that a step is mostly compute.
 WORKLOAD = [
-    "model.name=mlp", "model.hidden_dim=512", "data.image_size=32", "data.train_size=8192",
-    "data.val_size=1000", "data.num_workers=0", "data.augment=false", "train.batch_size=64",
-    "train.epochs=2", "train.lr=0.05", "train.weight_decay=0", "train.schedule=constant",
-    "train.log_every_steps=1000", "checkpoint.resume=none",
+    "model.name=mlp",
+    "model.hidden_dim=512",
+    "data.image_size=32",
+    "data.train_size=8192",
+    "data.val_size=1000",
+    "data.num_workers=0",
+    "data.augment=false",
+    "train.batch_size=64",
+    "train.epochs=2",
+    "train.lr=0.05",
+    "train.weight_decay=0",
+    "train.schedule=constant",
+    "train.log_every_steps=1000",
+    "checkpoint.resume=none",
 ]
 
 
@@ -97,8 +107,10 @@ def same_weights(a: dict, b: dict) -> str:
 def compare_loops(project: Path, work: Path, repeats: int, nprocs: list[int]) -> None:
     print(f"\n== generated loop (a) vs hand-written loop (b), {repeats} alternating runs each")
     print("   step ms: median over runs of each run's median step (spread: min-max over runs)")
-    header = f"{'procs':>5} {'loop':>4} {'step ms':>8} {'spread':>13} {'samples/s':>10} {'start+end s':>11} {'outside/epoch s':>15}  peak RSS MiB per rank"
-    print(header)
+    print(
+        f"{'procs':>5} {'loop':>4} {'step ms':>8} {'spread':>13} {'samples/s':>10} {'start+end s':>11} "
+        f"{'outside/epoch s':>15}  peak RSS MiB per rank"
+    )
     for nproc in nprocs:
         results = {"a": [], "b": []}
         for repeat in range(repeats):
@@ -116,12 +128,15 @@ def compare_loops(project: Path, work: Path, repeats: int, nprocs: list[int]) ->
                 f"{statistics.median(r['outside_per_epoch_s'] for r in rows):>15.3f}  "
                 f"{[round(m) for m in rows[-1]['rss_peak_mib']]}"
             )
-        ratio = statistics.median(r["step_s"] for r in results["a"]) / statistics.median(r["step_s"] for r in results["b"])
+        median_a, median_b = (statistics.median(r["step_s"] for r in results[loop]) for loop in ("a", "b"))
+        ratio = median_a / median_b
         # Pairwise ratios of runs made back to back share the machine's state at the time.
-        pairs = sorted(a["step_s"] / b["step_s"] for a, b in zip(results["a"], results["b"]))
-        print(f"{nproc:>5} a/b median step-time ratio {ratio:.3f} (back-to-back pairs: "
-              f"{', '.join(f'{p:.3f}' for p in pairs)}); final weights: "
-              f"{same_weights(results['a'][-1]['weights'], results['b'][-1]['weights'])}")
+        pairs = sorted(a["step_s"] / b["step_s"] for a, b in zip(results["a"], results["b"], strict=True))
+        print(
+            f"{nproc:>5} a/b median step-time ratio {ratio:.3f} (back-to-back pairs: "
+            f"{', '.join(f'{p:.3f}' for p in pairs)}); final weights: "
+            f"{same_weights(results['a'][-1]['weights'], results['b'][-1]['weights'])}"
+        )
 
 
 def compare_memory(project: Path, work: Path) -> None:
@@ -159,8 +174,10 @@ def main() -> None:
     parser.add_argument("--nprocs", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--switches", action="store_true", help="also time each speed switch")
     args = parser.parse_args()
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.processor() or 'cpu'}; "
-          f"torch {torch.__version__}, Python {platform.python_version()}; CPU processes, gloo")
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.processor() or 'cpu'}; "
+        f"torch {torch.__version__}, Python {platform.python_version()}; CPU processes, gloo"
+    )
     print("workload: " + " ".join(WORKLOAD))
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)

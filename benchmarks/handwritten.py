@@ -54,14 +54,19 @@ def main():
     if rank == 0:
         torch.save(model.state_dict(), sys.argv[2])
     samples = len(step_times) * cfg.train.batch_size * world
-    print(json.dumps({
-        "rank": rank,
-        "step_time_median_s": statistics.median(step_times),
-        "samples_per_s": samples / train_time,
-        "train_time_s": train_time,
-        "in_process_s": time.perf_counter() - start,
-        "rss_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-    }), flush=True)
+    print(
+        json.dumps(
+            {
+                "rank": rank,
+                "step_time_median_s": statistics.median(step_times),
+                "samples_per_s": samples / train_time,
+                "train_time_s": train_time,
+                "in_process_s": time.perf_counter() - start,
+                "rss_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            }
+        ),
+        flush=True,
+    )
     if distributed:
         dist.destroy_process_group()
 

@@ -1,19 +1,41 @@
-"""Prints the next steps once the project is written."""
+"""Removes what was not chosen, then prints the next steps. Runs inside the new project."""
 
-SLUG = {{ cookiecutter.project_slug | py_str }}
+import shutil
 
-NEXT_STEPS = f"""
-Created {SLUG}/. Next steps:
+# The slug was checked by pre_gen_project.py: a plain identifier, safe in quotes.
+SLUG = "{{ cookiecutter.project_slug }}"
+CI_WORKFLOW = "{{ cookiecutter.ci_workflow }}" == "True"
+SLURM_SCRIPT = "{{ cookiecutter.slurm_script }}" == "True"
+TENSORBOARD = "{{ cookiecutter.tensorboard }}" == "True"
 
-  cd {SLUG}
-  python -m venv .venv && . .venv/bin/activate
-  pip install -e ".[dev]"
-  torchrun --nproc_per_node=2 train.py      # 2 processes (GPUs if present, else CPU)
-  python train.py                           # or a single process
-  pytest                                    # the project's own tests
 
-Edit model.py, data.py and config.yaml; README.md says where everything else lives.
-"""
+def remove_unchosen() -> None:
+    if not CI_WORKFLOW:
+        shutil.rmtree(".github")
+    if not SLURM_SCRIPT:
+        shutil.rmtree("scripts")
+
+
+def next_steps() -> str:
+    extras = "dev,tensorboard" if TENSORBOARD else "dev"
+    lines = [
+        f"Created {SLUG}/. Next steps:",
+        "",
+        f"  cd {SLUG}",
+        "  python -m venv .venv && . .venv/bin/activate",
+        f'  pip install -e ".[{extras}]"',
+        "  torchrun --nproc_per_node=2 train.py      # 2 processes (GPUs if present, else CPU)",
+        "  python train.py                           # or a single process",
+        "  pytest                                    # the project's own tests",
+    ]
+    if TENSORBOARD:
+        lines.append("  tensorboard --logdir runs                 # the curves")
+    if SLURM_SCRIPT:
+        lines.append("  sbatch scripts/slurm/train.sbatch         # on a SLURM cluster")
+    lines += ["", "Edit model.py, data.py and config.yaml; README.md says where everything else lives."]
+    return "\n".join(lines)
+
 
 if __name__ == "__main__":
-    print(NEXT_STEPS)
+    remove_unchosen()
+    print("\n" + next_steps() + "\n")

@@ -8,17 +8,43 @@ newlines in them cannot break this script.
 import keyword
 import sys
 
-SLUG = {{ cookiecutter.project_slug | py_str }}
+SLUG = {{cookiecutter.project_slug | py_str}}
 
 # Modules the generated project imports, or is made of: a slug equal to one of these
 # would shadow it (and `pip install -e .` would replace the real distribution).
 PROJECT_MODULES = {
-    "checkpoint", "config", "data", "distributed", "engine", "evaluate", "loader", "logs",
-    "memory", "model", "optim", "parallel", "preemption", "seeding", "train", "tests", "conftest",
+    "checkpoint",
+    "config",
+    "data",
+    "distributed",
+    "engine",
+    "evaluate",
+    "loader",
+    "logs",
+    "memory",
+    "model",
+    "optim",
+    "parallel",
+    "preemption",
+    "seeding",
+    "train",
+    "tests",
+    "conftest",
 }
 THIRD_PARTY_MODULES = {
-    "torch", "torchvision", "yaml", "pyyaml", "tqdm", "numpy", "PIL", "pillow",
-    "pytest", "tensorboard", "cookiecutter", "setuptools", "pip",
+    "torch",
+    "torchvision",
+    "yaml",
+    "pyyaml",
+    "tqdm",
+    "numpy",
+    "PIL",
+    "pillow",
+    "pytest",
+    "tensorboard",
+    "cookiecutter",
+    "setuptools",
+    "pip",
 }
 
 
@@ -40,8 +66,7 @@ def main() -> int:
     problem = slug_problem(SLUG)
     if problem:
         print(
-            f"error: project_slug {SLUG!r} {problem}; "
-            "rerun with e.g. project_slug=my_ddp_project",
+            f"error: project_slug {SLUG!r} {problem}; rerun with e.g. project_slug=my_ddp_project",
             file=sys.stderr,
         )
         return 1

@@ -1,6 +1,7 @@
 """Baking the template: every choice renders, bad answers are refused, hostile text is safe."""
 
 import ast
+import re
 import subprocess
 import sys
 import tomllib
@@ -23,7 +24,7 @@ def test_defaults_bake_a_complete_project(baked):
     assert (baked / "scripts" / "slurm" / "train.sbatch").is_file()
     for path in rendered_files(baked):
         text = path.read_text()
-        assert "cookiecutter." not in text and "{%" not in text, path
+        assert not re.search(r"{{\s*cookiecutter|{%", text), path  # nothing left unrendered
         if path.suffix == ".py":
             ast.parse(text, filename=str(path))
 
@@ -33,7 +34,8 @@ def test_every_license_choice(tmp_path, license_name):
     project = bake(tmp_path, license=license_name, author="Ada Lovelace")
     text = (project / "LICENSE").read_text()
     assert "Ada Lovelace" in text
-    assert tomllib.loads((project / "pyproject.toml").read_text())["project"]["license"]["text"] == license_name
+    spdx = {"Proprietary": "LicenseRef-Proprietary"}.get(license_name, license_name)
+    assert tomllib.loads((project / "pyproject.toml").read_text())["project"]["license"] == spdx
 
 
 @pytest.mark.parametrize("version", CHOICES["python_version"])
@@ -75,7 +77,7 @@ def test_name_is_turned_into_a_slug(tmp_path):
     assert bake(tmp_path, project_name="My Great Model").name == "my_great_model"
 
 
-HOSTILE = "It's \"quoted\"\nand\\back {{ cookiecutter.author }} {% if %} ${{ github }} \u00e9\U0001f600"
+HOSTILE = 'It\'s "quoted"\nand\\back {{ cookiecutter.author }} {% if %} ${{ github }} \u00e9\U0001f600'
 
 
 @pytest.mark.parametrize("key", ["project_name", "description", "author"])

@@ -13,10 +13,11 @@ import pytest
 from conftest import bake
 
 CLUSTER = Path(__file__).with_name("slurm_cluster.sh")
-FAST = [
-    "model.name=mlp", "model.hidden_dim=32", "data.image_size=8", "data.train_size=1024",
-    "data.val_size=101", "data.num_workers=0", "train.batch_size=16", "data.augment=false",
-]
+# The generated project's small and fast settings (its tests/conftest.py has the same).
+FAST = (
+    "model.name=mlp model.hidden_dim=32 data.image_size=8 data.train_size=1024 data.val_size=101 "
+    "data.num_workers=0 train.batch_size=16 data.augment=false"
+).split()
 # The shipped script asks for GPUs; this cluster has none. Adapted by variables, not edits.
 NO_GPU = {"SBATCH_GPUS_PER_NODE": "0"}
 ONE_NODE_TWO_TASKS = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"]
@@ -66,7 +67,11 @@ def test_srun_two_tasks_train(slurm, project, tmp_path):
     out = tmp_path / "run"
     result = subprocess.run(
         ["srun", "-n", "2", "python", "train.py", *FAST, "train.epochs=1", f"output_dir={out}"],
-        cwd=project, env=slurm, capture_output=True, text=True, timeout=300,
+        cwd=project,
+        env=slurm,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     assert "training on 2 process(es)" in result.stdout
@@ -77,9 +82,21 @@ def test_srun_two_tasks_train(slurm, project, tmp_path):
 def test_shipped_sbatch_script_trains(slurm, project, tmp_path):
     out = tmp_path / "run"
     result = subprocess.run(
-        ["sbatch", "--wait", "--parsable", *ONE_NODE_TWO_TASKS, "scripts/slurm/train.sbatch",
-         *FAST, "train.epochs=1", f"output_dir={out}"],
-        cwd=project, env={**slurm, **NO_GPU}, capture_output=True, text=True, timeout=300,
+        [
+            "sbatch",
+            "--wait",
+            "--parsable",
+            *ONE_NODE_TWO_TASKS,
+            "scripts/slurm/train.sbatch",
+            *FAST,
+            "train.epochs=1",
+            f"output_dir={out}",
+        ],
+        cwd=project,
+        env={**slurm, **NO_GPU},
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     job_id = result.stdout.strip().split(";")[0]
     log = (project / f"slurm-{job_id}.out").read_text()
@@ -92,7 +109,12 @@ def test_usr1_before_time_limit_checkpoints_requeues_and_finishes(slurm, project
     args = [*FAST, "data.train_size=8192", "train.log_every_steps=5", "train.epochs=2", f"output_dir={out}"]
     submitted = subprocess.run(
         ["sbatch", "--parsable", *ONE_NODE_TWO_TASKS, "scripts/slurm/train.sbatch", *args],
-        cwd=project, env={**slurm, **NO_GPU}, capture_output=True, text=True, timeout=60, check=True,
+        cwd=project,
+        env={**slurm, **NO_GPU},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
     )
     job_id = submitted.stdout.strip().split(";")[0]
     log = project / f"slurm-{job_id}.out"

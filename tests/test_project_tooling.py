@@ -1,0 +1,140 @@
+"""The baked project as a well-kept Python project: lint, CI workflow, pre-commit,
+optional parts, recorded answers (replay, cruft), hygiene. And this repo's own lint."""
+
+import json
+import os
+import shutil
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from conftest import CHOICES, TEMPLATE, bake
+
+BIN = Path(sys.executable).parent  # ruff, cruft, pre-commit of the same environment
+TOOLS_ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
+
+
+def run(command, cwd, check=True):
+    result = subprocess.run(command, cwd=cwd, env=TOOLS_ENV, capture_output=True, text=True, timeout=300)
+    if check:
+        assert result.returncode == 0, f"{command}: {result.stdout[-3000:]}{result.stderr[-3000:]}"
+    return result
+
+
+def ci_workflow(project: Path) -> dict:
+    return yaml.safe_load((project / ".github" / "workflows" / "ci.yml").read_text())
+
+
+def ci_step(project: Path, name: str) -> dict:
+    steps = ci_workflow(project)["jobs"]["test"]["steps"]
+    return next(step for step in steps if step.get("name") == name)
+
+
+VARIANTS = [
+    {"python_version": version, "ci_workflow": on, "slurm_script": on, "tensorboard": on}
+    for version, on in zip(CHOICES["python_version"], [True, False, True, False], strict=True)
+]
+
+
+@pytest.mark.parametrize("answers", VARIANTS, ids=lambda a: f"py{a['python_version']}-{a['ci_workflow']}")
+def test_every_variant_lints_clean(tmp_path, answers):
+    project = bake(tmp_path, **answers)
+    run(["ruff", "check", "."], project)
+    run(["ruff", "format", "--check", "."], project)
+
+
+def test_unchosen_parts_are_removed(tmp_path):
+    full = bake(tmp_path / "full")
+    bare = bake(tmp_path / "bare", ci_workflow="no", slurm_script="no", tensorboard="no")
+    assert (full / ".github" / "workflows" / "ci.yml").is_file() and (full / "scripts" / "slurm").is_dir()
+    assert not (bare / ".github").exists() and not (bare / "scripts").exists()
+    assert "sbatch" in (full / "README.md").read_text() and "sbatch" not in (bare / "README.md").read_text()
+    assert "tensorboard: true" in (full / "config.yaml").read_text()
+    assert "tensorboard: false" in (bare / "config.yaml").read_text()
+
+
+def test_ci_workflow_is_valid_yaml_with_install_lint_and_test_steps(tmp_path):
+    project = bake(tmp_path, python_version="3.12")
+    workflow = ci_workflow(project)
+    assert workflow["concurrency"]["group"] == "${{ github.workflow }}-${{ github.ref }}"
+    steps = workflow["jobs"]["test"]["steps"]
+    setup = next(step for step in steps if step.get("uses", "").startswith("actions/setup-python"))
+    assert setup["with"]["python-version"] == "3.12"
+    assert 'pip install -e ".[dev]"' in ci_step(project, "Install")["run"]
+    assert ci_step(project, "Lint")["run"].split("\n")[:2] == ["ruff check .", "ruff format --check ."]
+    assert ci_step(project, "Test")["run"].strip() == "pytest"
+
+
+def test_project_installs_with_the_standard_command(tmp_path):
+    project = bake(tmp_path)
+    # The CI's install step without downloads: dependencies are already here.
+    result = run(
+        [sys.executable, "-m", "pip", "install", "--dry-run", "--no-deps", "--no-build-isolation", "-e", "."], project
+    )
+    assert "Would install ddp_classifier-0.1.0" in result.stdout
+
+
+def test_pre_commit_runs_ruff_and_catches_unformatted_code(tmp_path):
+    project = bake(tmp_path)
+    run(["git", "init", "-q"], project)
+    run(["git", "add", "-A"], project)
+    assert "ruff format" in run(["pre-commit", "run", "--all-files"], project).stdout
+    (project / "model.py").write_text((project / "model.py").read_text() + "\nx = [1,2]\n")
+    run(["git", "add", "-A"], project)
+    assert run(["pre-commit", "run", "--all-files"], project, check=False).returncode != 0
+
+
+def test_answers_are_recorded_and_replay_the_same_project(tmp_path):
+    project = bake(tmp_path / "first", project_name="Replay Me", license="BSD-3-Clause", tensorboard="no")
+    answers = json.loads((project / ".cookiecutter.json").read_text())["cookiecutter"]
+    assert answers["project_slug"] == "replay_me" and answers["license"] == "BSD-3-Clause"
+    assert answers["tensorboard"] is False
+    assert not any(key in answers for key in ("_output_dir", "_repo_dir"))  # no paths of this machine
+    second = tmp_path / "second"
+    second.mkdir()
+    run([str(BIN / "cookiecutter"), "--replay-file", str(project / ".cookiecutter.json"), str(TEMPLATE)], second)
+    assert run(["diff", "-r", str(project), str(second / "replay_me")], tmp_path).stdout == ""
+
+
+def template_repo(tmp_path: Path) -> Path:
+    """This template's working tree as a git repository with one commit (what cruft clones)."""
+    repo = tmp_path / "template"
+    shutil.copytree(TEMPLATE, repo, ignore=shutil.ignore_patterns(".git", ".venv", "build", "*_cache", "__pycache__"))
+    for command in (["git", "init", "-q"], ["git", "add", "-A"], ["git", "commit", "-qm", "template"]):
+        run([*command[:1], "-c", "user.name=t", "-c", "user.email=t@t", *command[1:]], repo)
+    return repo
+
+
+def test_cruft_create_and_check_against_the_template(tmp_path):
+    repo = template_repo(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    run([str(BIN / "cruft"), "create", "--no-input", str(repo)], out)
+    project = out / "ddp_classifier"
+    assert (
+        json.loads((project / ".cruft.json").read_text())["context"]["cookiecutter"]["project_slug"] == "ddp_classifier"
+    )
+    run([str(BIN / "cruft"), "check"], project)
+    (repo / "README.md").write_text((repo / "README.md").read_text() + "\nchanged\n")
+    run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "newer template"], repo)
+    assert run([str(BIN / "cruft"), "check"], project, check=False).returncode != 0  # now out of date
+
+
+def test_line_endings_and_executable_scripts(baked):
+    assert "* text=auto eol=lf" in (baked / ".gitattributes").read_text()
+    assert os.stat(baked / "scripts" / "slurm" / "train.sbatch").st_mode & stat.S_IXUSR
+    tracked = run(["git", "ls-files", "-s", "--", "*train.sbatch"], TEMPLATE).stdout
+    assert tracked.startswith("100755"), "the template repo must track train.sbatch as executable"
+    for path in baked.rglob("*"):
+        if path.is_file() and "__pycache__" not in path.parts:
+            assert b"\r\n" not in path.read_bytes(), path
+    ignored = (baked / ".gitignore").read_text().split()
+    assert {"runs/", "*.pt", ".venv/", "__pycache__/", ".ruff_cache/"} <= set(ignored)
+
+
+def test_template_repo_passes_its_own_lint():
+    run(["ruff", "check", "."], TEMPLATE)
+    run(["ruff", "format", "--check", "."], TEMPLATE)

@@ -17,13 +17,12 @@ def remove_unchosen() -> None:
 
 
 def next_steps() -> str:
-    extras = "dev,tensorboard" if TENSORBOARD else "dev"
     lines = [
         f"Created {SLUG}/. Next steps:",
         "",
         f"  cd {SLUG}",
         "  python -m venv .venv && . .venv/bin/activate",
-        f'  pip install -e ".[{extras}]"',
+        '  pip install -e ".[dev]"                   # tests, lint, tensorboard',
         "  torchrun --nproc_per_node=2 train.py      # 2 processes (GPUs if present, else CPU)",
         "  python train.py                           # or a single process",
         "  pytest                                    # the project's own tests",

@@ -19,9 +19,10 @@ from distributed import PeerFailed, get_rank, is_main
 
 
 def log(message: str) -> None:
-    """Print once, from rank 0."""
+    """Print once, from rank 0 (above the progress bar, if one is showing)."""
     if is_main():
-        print(message, flush=True)
+        tqdm.write(message, file=sys.stdout)
+        sys.stdout.flush()
 
 
 class Progress:

@@ -1,13 +1,19 @@
 """End to end: real processes, launched as a user would (python and torchrun)."""
 
+import fcntl
 import json
+import os
+import pty
 import re
+import struct
+import subprocess
+import termios
 
 import pytest
 import torch
 
 from checkpoint import load_checkpoint
-from conftest import FAST, read_metrics, run_script
+from conftest import FAST, PROJECT, clean_env, command, read_metrics, run_script
 
 FAST_SHORT = [*FAST, "train.epochs=1", "data.train_size=512"]
 STEP_TAGS = {"train/loss", "train/lr", "train/samples_per_s"}  # every train.log_every_steps (4 in FAST)
@@ -85,11 +91,39 @@ def test_batchnorm_model_evaluates_what_rank_0_saves(tmp_path, fast_args):
     assert abs(result["val_loss"] - trained["val_loss"]) < 1e-6
 
 
-def test_single_process_run_with_tensorboard_off(tmp_path, fast_args):
+def run_with_terminal_stderr(args) -> tuple[str, str]:
+    """train.py with stderr on a pseudo-terminal, as in a shell; returns (stdout, terminal)."""
+    controller, terminal = pty.openpty()
+    fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24 rows, 100 columns
+    with subprocess.Popen(
+        command("train.py", args), cwd=PROJECT, env=clean_env(), stdout=subprocess.PIPE, stderr=terminal, text=True
+    ) as process:
+        os.close(terminal)
+        chunks = []
+        while True:
+            try:
+                chunk = os.read(controller, 65536)
+            except OSError:  # EIO: the process closed its end
+                break
+            if not chunk:
+                break
+            chunks.append(chunk)
+        stdout = process.stdout.read()
+    os.close(controller)
+    assert process.returncode == 0, stdout + b"".join(chunks).decode(errors="replace")
+    return stdout, b"".join(chunks).decode(errors="replace")
+
+
+def test_single_process_run_on_a_terminal_with_tensorboard_off(tmp_path, fast_args):
     out = tmp_path / "run"
-    run_script("train.py", [*fast_args, f"output_dir={out}", "train.epochs=1", "train.tensorboard=false"])
+    stdout, terminal = run_with_terminal_stderr(
+        [*fast_args, f"output_dir={out}", "train.epochs=1", "train.tensorboard=false"]
+    )
     assert [m["num_samples"] for m in read_metrics(out)] == [101]
     assert not (out / "tensorboard").exists()
+    # A progress bar with loss and throughput instead of the plain lines.
+    assert "epoch 0: " in terminal and "loss=" in terminal and "samples_s=" in terminal
+    assert "epoch 0 step" not in stdout and "epoch 0: train_loss" in stdout
 
 
 def test_without_the_tensorboard_package_training_goes_on_and_says_so_once(tmp_path):

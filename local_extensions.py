@@ -9,6 +9,7 @@ the answers for the baked project's .cookiecutter.json.
 
 import json
 import logging
+import os
 import re
 from pathlib import Path
 
@@ -44,8 +45,12 @@ def one_line(value: object) -> str:
 
 def answers_json(context) -> str:
     """The answers as a cookiecutter replay file (`cookiecutter --replay-file`), for the
-    baked project's .cookiecutter.json. Paths of the machine that baked it are left out."""
-    answers = {key: value for key, value in dict(context).items() if key not in ("_output_dir", "_repo_dir")}
+    baked project's .cookiecutter.json. Paths of the machine that baked it are left out,
+    the template's too when it was a local folder (a URL or gh:owner/repo is kept)."""
+    local = {"_output_dir", "_repo_dir"}
+    if Path(os.path.expanduser(str(context.get("_template", "")))).exists():
+        local.add("_template")
+    answers = {key: value for key, value in dict(context).items() if key not in local}
     return json.dumps({"cookiecutter": answers}, indent=2, ensure_ascii=False)
 
 

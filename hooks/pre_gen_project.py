@@ -8,7 +8,7 @@ newlines in them cannot break this script.
 import keyword
 import sys
 
-SLUG = {{cookiecutter.project_slug | py_str}}
+SLUG = {{ cookiecutter.project_slug | py_str }}
 
 # Modules the generated project imports, or is made of: a slug equal to one of these
 # would shadow it (and `pip install -e .` would replace the real distribution).

@@ -35,8 +35,14 @@ def prepare_data(cfg: Config) -> None:
     if cfg.data.name == "cifar10" and cfg.data.download:
         from torchvision.datasets import CIFAR10
 
-        for train in (True, False):
-            CIFAR10(cfg.data.root, train=train, download=True)
+        try:  # one archive holds both splits; the small test split checks it is all there
+            CIFAR10(cfg.data.root, train=False, download=True)
+        except OSError as error:  # urllib's URLError is an OSError
+            reason = getattr(error, "reason", None) or error.strerror or error
+            raise DataError(
+                f"cifar10: download into {cfg.data.root!r} failed ({reason}); check the network, or put "
+                "cifar-10-batches-py there yourself and set data.download=false"
+            ) from None
 
 
 def build_datasets(cfg: Config) -> tuple[Dataset, Dataset]:
@@ -162,6 +168,9 @@ def cifar10(root: Path, train_tf, val_tf) -> tuple[Dataset, Dataset]:
     try:
         train = CIFAR10(str(root), train=True, transform=v2.Compose([*to_tensor, train_tf]))
         val = CIFAR10(str(root), train=False, transform=v2.Compose([*to_tensor, val_tf]))
-    except RuntimeError as error:  # torchvision's "Dataset not found or corrupted"
-        raise DataError(f"cifar10 in {str(root)!r}: {error} (set data.download=true to fetch it)") from None
+    except RuntimeError:  # torchvision's "Dataset not found or corrupted"
+        raise DataError(
+            f"cifar10: no complete dataset in {str(root / 'cifar-10-batches-py')!r}; set data.download=true "
+            "to fetch it, or data.root to the folder that holds cifar-10-batches-py"
+        ) from None
     return train, val

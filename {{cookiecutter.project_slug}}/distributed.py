@@ -205,13 +205,12 @@ def run_everywhere(work, device: torch.device):
     return run_where(True, work, device)
 
 
-def run_local_main_first(work, env: DistEnv, device: torch.device):
-    """`work()` (e.g. downloading or unpacking data) first on global rank 0, then on
-    local rank 0 of the other nodes (for node-local storage), then on every other rank,
-    which find it ready: never two writers at once. Every rank must call this."""
-    result = run_where(env.rank == 0, work, device)
-    result = run_where(env.local_rank == 0 and env.rank != 0, work, device, result)
-    return run_where(env.local_rank != 0, work, device, result)
+def run_on_node_leaders(work, env: DistEnv, device: torch.device) -> None:
+    """`work()` (e.g. downloading or unpacking data) on global rank 0 first, then on local
+    rank 0 of every other node (for node-local storage), while the other ranks wait:
+    never two writers at once on shared storage. Every rank must call this."""
+    run_where(env.rank == 0, work, device)
+    run_where(env.local_rank == 0 and env.rank != 0, work, device)
 
 
 class PeerFailed(UsageError):

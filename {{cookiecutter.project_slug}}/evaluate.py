@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 from checkpoint import load_checkpoint, load_model_weights
 from config import load_config
 from data import build_datasets, prepare_data
-from distributed import cleanup_distributed, init_distributed_mode, is_main, run_everywhere, run_local_main_first
+from distributed import cleanup_distributed, init_distributed_mode, is_main, run_everywhere, run_on_node_leaders
 from engine import evaluate
 from loader import build_val_loader, with_num_classes
 from logs import report_errors
@@ -38,7 +38,7 @@ def main(argv=None) -> None:
     cfg = load_config(args.config, args.overrides, base=ckpt.get("config"))
     env, device = init_distributed_mode(cfg.dist)
     try:
-        run_local_main_first(lambda: prepare_data(cfg), env, device)  # one writer at a time per node
+        run_on_node_leaders(lambda: prepare_data(cfg), env, device)  # one writer per node at a time
         train_set, val_set = run_everywhere(lambda: build_datasets(cfg), device)
         cfg = with_num_classes(cfg, train_set)
         model = build_model(cfg)

@@ -28,7 +28,7 @@ def sample_seeds(epoch_seed: int, indices: list[int]) -> list[int]:
     x = np.asarray(indices, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(epoch_seed)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return ((x ^ (x >> np.uint64(31))) >> np.uint64(1)).tolist()  # uint64 wraps, by design
+    return (x ^ (x >> np.uint64(31))).tolist()  # uint64 arithmetic wraps, by design
 
 
 def seed_everything(seed: int) -> None:

@@ -29,8 +29,8 @@ from distributed import (
     cleanup_distributed,
     init_distributed_mode,
     run_everywhere,
-    run_local_main_first,
     run_on_main,
+    run_on_node_leaders,
 )
 from engine import TrainState, evaluate, train_one_epoch
 from loader import build_train_loader, build_val_loader, with_num_classes
@@ -83,7 +83,7 @@ def main(argv=None) -> None:
         check_precision(cfg, device)
         set_determinism(cfg.train.deterministic, device)
 
-        run_local_main_first(lambda: prepare_data(cfg), env, device)  # one writer at a time per node
+        run_on_node_leaders(lambda: prepare_data(cfg), env, device)  # one writer per node at a time
         train_set, val_set = run_everywhere(lambda: build_datasets(cfg), device)
         cfg = with_num_classes(cfg, train_set)
         train_loader = build_train_loader(train_set, cfg, env, device)
@@ -106,7 +106,9 @@ def main(argv=None) -> None:
         )
 
         metrics_log = make_metrics_log(cfg.output_dir)
-        tensorboard_log = make_tensorboard_log(cfg.output_dir, cfg.train.tensorboard, start_step=state.step)
+        tensorboard_log = run_everywhere(
+            lambda: make_tensorboard_log(cfg.output_dir, cfg.train.tensorboard, start_step=state.step), device
+        )
         memory_report_step = state.step + min(10, steps_per_epoch)
         run = Run(cfg, env, device, train_loader, val_loader, stop_request, memory_report_step, tensorboard_log)
         freeze_setup_objects()  # no full garbage collection pauses inside the steps
@@ -134,7 +136,8 @@ def run_epoch(state: TrainState, run: Run) -> dict | None:
     cfg, epoch, accum = run.cfg, state.epoch, run.cfg.train.accum_steps
     run.train_loader.sampler.set_epoch(epoch, start_batch=state.batches_done)
     steps_per_epoch = run.train_loader.sampler.num_batches // accum
-    done_steps, samples_per_step = state.batches_done // accum, cfg.train.batch_size * run.env.world_size * accum
+    done_steps = state.batches_done // accum
+    samples_per_step = cfg.train.batch_size * run.env.world_size * accum  # the effective batch
     progress = make_progress(
         epoch, steps_per_epoch, done_steps, cfg.train.log_every_steps, samples_per_step, run.tensorboard_log
     )

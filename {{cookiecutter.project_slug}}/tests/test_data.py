@@ -1,7 +1,8 @@
+import pytest
 import torch
 
 from config import load_config
-from data import build_datasets
+from data import DataError, build_datasets, prepare_data
 from distributed import DistEnv
 from loader import SeededSamples, ShardSampler, TrainSampler, micro_batches_per_epoch
 from seeding import derive_seed, sample_seeds
@@ -84,8 +85,15 @@ def test_every_sample_of_every_epoch_has_its_own_random_stream():
     # Augmentation is seeded per (seed, epoch, index), so no two ranks or workers (which
     # always load different indices) can draw the same random numbers.
     seeds = {seed for epoch in range(3) for seed in sample_seeds(derive_seed(0, epoch), list(range(5000)))}
-    assert len(seeds) == 3 * 5000 and all(0 <= seed < 2**63 for seed in seeds)
+    assert len(seeds) == 3 * 5000 and all(0 <= seed < 2**64 for seed in seeds)
     assert derive_seed(0, 1, 2) == derive_seed(0, 1, 2) != derive_seed(1, 1, 2)
+
+
+def test_missing_cifar10_says_where_it_looked_and_what_to_set(tmp_path):
+    cfg = load_config(None, ["data.name=cifar10", f"data.root={tmp_path}"])
+    prepare_data(cfg)  # data.download=false: nothing to fetch
+    with pytest.raises(DataError, match=r"no complete dataset in .*cifar-10-batches-py'; set data.download=true"):
+        build_datasets(cfg)
 
 
 def test_image_folder_keeps_metadata_in_arrays(tmp_path):

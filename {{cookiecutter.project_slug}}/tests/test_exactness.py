@@ -30,7 +30,7 @@ def tensors(tree, prefix=""):
 @pytest.mark.parametrize("nproc, batch_size, accum", [(2, 8, 1), (1, 8, 2), (2, 4, 2)])
 def test_world_size_and_accumulation_do_not_change_training(tmp_path, nproc, batch_size, accum):
     """N processes x batch B x accumulation K trains like 1 process with batch N*B*K."""
-    common = [*FAST, "train.epochs=1", "checkpoint.resume=none"]
+    common = [*FAST, "data.augment=true", "train.epochs=1", "checkpoint.resume=none"]
     reference, other = tmp_path / "reference", tmp_path / "other"
     run_script("train.py", [*common, "train.batch_size=16", f"output_dir={reference}"])
     run_script(

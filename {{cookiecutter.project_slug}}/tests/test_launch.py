@@ -58,11 +58,11 @@ def test_two_nodes_train_like_one_node_with_two_processes(tmp_path, backend):
         assert torch.equal(b[key], value), key
 
 
-LOCAL_FIRST = """
+NODE_LEADERS = """
 import sys, time
 import torch.distributed as dist
 from config import DistConfig
-from distributed import init_distributed_mode, run_local_main_first
+from distributed import init_distributed_mode, run_on_node_leaders
 
 env, device = init_distributed_mode(DistConfig())
 log = sys.argv[1]
@@ -70,20 +70,21 @@ log = sys.argv[1]
 def prepare():
     with open(log, "a") as f:
         f.write(f"start {env.rank} {env.local_rank}\\n")
-    time.sleep(0.5 if env.local_rank == 0 else 0)  # e.g. a download
+    time.sleep(0.5)  # e.g. a download
     with open(log, "a") as f:
         f.write(f"end {env.rank} {env.local_rank}\\n")
-    return env.rank
 
-assert run_local_main_first(prepare, env, device) == env.rank
+run_on_node_leaders(prepare, env, device)
+with open(log, "a") as f:
+    f.write(f"after {env.rank}\\n")
 dist.destroy_process_group()
 """
 
 
-def test_local_rank_zero_prepares_before_the_others(tmp_path):
+def test_only_the_node_leader_prepares_while_the_others_wait(tmp_path):
     script, log = tmp_path / "prepare.py", tmp_path / "order.log"
-    script.write_text(LOCAL_FIRST)
+    script.write_text(NODE_LEADERS)
     run_script(str(script), [log], nproc=3, env={"PYTHONPATH": str(PROJECT)})
     events = log.read_text().split("\n")[:-1]
     assert events[:2] == ["start 0 0", "end 0 0"]  # the others waited for it
-    assert sorted(events[2:]) == ["end 1 1", "end 2 2", "start 1 1", "start 2 2"]
+    assert sorted(events[2:]) == ["after 0", "after 1", "after 2"]  # and did not prepare

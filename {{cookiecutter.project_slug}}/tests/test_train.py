@@ -5,9 +5,11 @@ import json
 import os
 import pty
 import re
+import select
 import struct
 import subprocess
 import termios
+import time
 
 import pytest
 import torch
@@ -91,7 +93,7 @@ def test_batchnorm_model_evaluates_what_rank_0_saves(tmp_path, fast_args):
     assert abs(result["val_loss"] - trained["val_loss"]) < 1e-6
 
 
-def run_with_terminal_stderr(args) -> tuple[str, str]:
+def run_with_terminal_stderr(args, timeout=240) -> tuple[str, str]:
     """train.py with stderr on a pseudo-terminal, as in a shell; returns (stdout, terminal)."""
     controller, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24 rows, 100 columns
@@ -99,8 +101,10 @@ def run_with_terminal_stderr(args) -> tuple[str, str]:
         command("train.py", args), cwd=PROJECT, env=clean_env(), stdout=subprocess.PIPE, stderr=terminal, text=True
     ) as process:
         os.close(terminal)
-        chunks = []
-        while True:
+        chunks, deadline = [], time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not select.select([controller], [], [], 1.0)[0]:
+                continue
             try:
                 chunk = os.read(controller, 65536)
             except OSError:  # EIO: the process closed its end
@@ -108,10 +112,13 @@ def run_with_terminal_stderr(args) -> tuple[str, str]:
             if not chunk:
                 break
             chunks.append(chunk)
+        else:
+            process.kill()
         stdout = process.stdout.read()
     os.close(controller)
-    assert process.returncode == 0, stdout + b"".join(chunks).decode(errors="replace")
-    return stdout, b"".join(chunks).decode(errors="replace")
+    terminal_text = b"".join(chunks).decode(errors="replace")
+    assert process.returncode == 0, stdout + terminal_text
+    return stdout, terminal_text
 
 
 def test_single_process_run_on_a_terminal_with_tensorboard_off(tmp_path, fast_args):

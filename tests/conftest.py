@@ -1,13 +1,18 @@
 """Helpers for baking the template in tests."""
 
 import json
+import os
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 from cookiecutter.main import cookiecutter
 
 TEMPLATE = Path(__file__).resolve().parents[1]
 CHOICES = json.loads((TEMPLATE / "cookiecutter.json").read_text())
+BIN = Path(sys.executable).parent  # this environment's python, ruff, pytest, cruft, pre-commit
+TOOLS_ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}  # them first on PATH
 
 
 def bake(output_dir: Path, **answers) -> Path:
@@ -19,3 +24,13 @@ def bake(output_dir: Path, **answers) -> Path:
 @pytest.fixture
 def baked(tmp_path):
     return bake(tmp_path)
+
+
+def ci_workflow(project: Path) -> dict:
+    return yaml.safe_load((project / ".github" / "workflows" / "ci.yml").read_text())
+
+
+def ci_step(project: Path, name: str) -> dict:
+    """The step called `name` of the baked project's CI job."""
+    steps = ci_workflow(project)["jobs"]["test"]["steps"]
+    return next(step for step in steps if step.get("name") == name)

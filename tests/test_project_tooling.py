@@ -10,12 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
-from conftest import CHOICES, TEMPLATE, bake
+from conftest import BIN, CHOICES, TEMPLATE, TOOLS_ENV, bake, ci_step, ci_workflow
 from cookiecutter.main import cookiecutter
-
-BIN = Path(sys.executable).parent  # ruff, cruft, pre-commit of the same environment
-TOOLS_ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}
 
 
 def run(command, cwd, check=True):
@@ -23,15 +19,6 @@ def run(command, cwd, check=True):
     if check:
         assert result.returncode == 0, f"{command}: {result.stdout[-3000:]}{result.stderr[-3000:]}"
     return result
-
-
-def ci_workflow(project: Path) -> dict:
-    return yaml.safe_load((project / ".github" / "workflows" / "ci.yml").read_text())
-
-
-def ci_step(project: Path, name: str) -> dict:
-    steps = ci_workflow(project)["jobs"]["test"]["steps"]
-    return next(step for step in steps if step.get("name") == name)
 
 
 VARIANTS = [

@@ -5,12 +5,11 @@ requeue. Skipped with the reason where SLURM cannot run; in CI (CI=true) that is
 
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
-from conftest import bake
+from conftest import TOOLS_ENV, bake
 
 CLUSTER = Path(__file__).with_name("slurm_cluster.sh")
 # The generated project's small and fast settings (its tests/conftest.py has the same).
@@ -37,8 +36,7 @@ def slurm(tmp_path_factory):
     started = subprocess.run(["bash", CLUSTER, "start", directory], capture_output=True, text=True, timeout=900)
     if started.returncode != 0:
         unavailable(f"SLURM did not start: {started.stderr.strip()[-800:]}")
-    env = {**os.environ, "SLURM_CONF": str(directory / "slurm.conf")}
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"  # srun's `python`
+    env = {**TOOLS_ENV, "SLURM_CONF": str(directory / "slurm.conf")}  # srun's `python` first on PATH
     try:
         yield env
     finally:

@@ -19,7 +19,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from config import UsageError, to_dict
-from distributed import all_gather_objects, run_on_main, run_where
+from distributed import all_gather_objects, run_everywhere, run_on_main
 from logs import log
 from seeding import capture_rng_state, restore_rng_state
 
@@ -223,7 +223,7 @@ def resume_train_state(state, cfg, rank: int, world_size: int, device) -> bool:
 
     Returns True when the RNG state was restored (mid-epoch resume, same layout).
     """
-    found = run_where(True, lambda: load_resume_checkpoint(cfg), device)
+    found = run_everywhere(lambda: load_resume_checkpoint(cfg), device)
     seen = all_gather_objects(None if found is None else (str(found[0]), found[1]["step"]))
     if any(view != seen[0] for view in seen):
         raise CheckpointError(

@@ -12,7 +12,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from config import Config
-from distributed import DistEnv, is_main
+from distributed import DistEnv
+from logs import log
 
 
 def use_sync_batchnorm(requested: bool, device: torch.device, world_size: int) -> bool:
@@ -33,11 +34,10 @@ def wrap_model(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device
     """
     if use_sync_batchnorm(cfg.model.sync_bn, device, env.world_size):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    elif cfg.model.sync_bn and env.world_size > 1 and has_batchnorm(model) and is_main():
-        print(
+    elif cfg.model.sync_bn and env.world_size > 1 and has_batchnorm(model):
+        log(
             "note: SyncBatchNorm needs CUDA GPUs, so it is skipped here; "
-            "each process normalises with its own batch statistics",
-            flush=True,
+            "each process normalises with its own batch statistics"
         )
     if cfg.model.activation_checkpointing:
         checkpoint_activations(model, blocks)

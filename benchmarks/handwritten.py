@@ -19,14 +19,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader, DistributedSampler
 
 sys.path.insert(0, ".")
-from config import load_config  # noqa: E402  (the baked project's own modules)
-from data import build_datasets  # noqa: E402
-from model import build_model  # noqa: E402
+from data import DataConfig, build_datasets  # noqa: E402  (the baked project's own modules)
+from engine.config import load_config  # noqa: E402
+from model import ModelConfig, build_model  # noqa: E402
 
 
 def main():
     start = time.perf_counter()
-    cfg = load_config("config.yaml", json.loads(sys.argv[1]))
+    cfg = load_config("config.yaml", json.loads(sys.argv[1]), data=DataConfig, model=ModelConfig)
     distributed = "RANK" in __import__("os").environ
     if distributed:
         dist.init_process_group("gloo")

@@ -13,20 +13,10 @@ SLUG = {{ cookiecutter.project_slug | py_str }}
 # Modules the generated project imports, or is made of: a slug equal to one of these
 # would shadow it (and `pip install -e .` would replace the real distribution).
 PROJECT_MODULES = {
-    "checkpoint",
-    "config",
     "data",
-    "distributed",
     "engine",
     "evaluate",
-    "loader",
-    "logs",
-    "memory",
     "model",
-    "optim",
-    "parallel",
-    "preemption",
-    "seeding",
     "train",
     "tests",
     "conftest",

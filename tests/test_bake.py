@@ -10,7 +10,9 @@ import pytest
 from conftest import CHOICES, TEMPLATE, bake
 from cookiecutter.exceptions import FailedHookException
 
-USER_FILES = {"model.py", "data.py", "config.yaml"}
+# The top of a baked project: what the user edits, and one package of machinery.
+USER_FILES = {"train.py", "evaluate.py", "model.py", "data.py", "config.yaml"}
+TOP_LEVEL = USER_FILES | {"engine", "tests", "scripts", "README.md", "LICENSE", "pyproject.toml"}
 
 
 def rendered_files(project):
@@ -19,8 +21,8 @@ def rendered_files(project):
 
 def test_defaults_bake_a_complete_project(baked):
     assert baked.name == "ddp_classifier"
-    names = {p.name for p in baked.iterdir()}
-    assert USER_FILES | {"train.py", "evaluate.py", "config.py", "README.md", "pyproject.toml", "LICENSE"} <= names
+    assert {p.name for p in baked.iterdir() if not p.name.startswith(".")} == TOP_LEVEL
+    assert {p.name for p in baked.glob("*.py")} == {"train.py", "evaluate.py", "model.py", "data.py"}
     assert (baked / "scripts" / "slurm" / "train.sbatch").is_file()
     for path in rendered_files(baked):
         text = path.read_text()
@@ -52,7 +54,7 @@ def test_every_python_version_choice(tmp_path, version):
         ("class", "is a Python keyword"),
         ("torch", "would shadow a module the project imports"),
         ("json", "would shadow a module the project imports"),
-        ("config", "is the name of one of the project's own modules"),
+        ("engine", "is the name of one of the project's own modules"),
     ],
 )
 def test_bad_slug_is_refused_and_nothing_is_left(tmp_path, slug, problem):
@@ -98,3 +100,12 @@ def test_hook_knows_every_module_of_the_project(baked):
     block = hook[hook.index("PROJECT_MODULES = {") : hook.index("}", hook.index("PROJECT_MODULES = {"))]
     for module in baked.glob("*.py"):
         assert f'"{module.stem}"' in block, f"add {module.stem!r} to PROJECT_MODULES"
+
+
+def test_the_machinery_knows_no_task(baked):
+    """Loss, metrics and batch structure are the user's: nothing of the classification
+    example (its loss, its metric, its batch layout) appears in the engine package."""
+    for path in (baked / "engine").glob("*.py"):
+        text = path.read_text()
+        for word in ("cross_entropy", "argmax", "val_acc", "num_classes", "labels", "images"):
+            assert word not in text, f"{path.name} mentions {word!r}"

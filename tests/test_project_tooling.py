@@ -50,7 +50,7 @@ def test_unchosen_parts_are_removed(tmp_path):
     assert (full / ".github" / "workflows" / "ci.yml").is_file() and (full / "scripts" / "slurm").is_dir()
     assert not (bare / ".github").exists() and not (bare / "scripts").exists()
     assert "sbatch" in (full / "README.md").read_text() and "sbatch" not in (bare / "README.md").read_text()
-    assert "tensorboard: true" in (full / "config.yaml").read_text()
+    assert "tensorboard" not in (full / "config.yaml").read_text()  # on: the schema's default
     assert "tensorboard: false" in (bare / "config.yaml").read_text()
 
 

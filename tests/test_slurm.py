@@ -15,7 +15,7 @@ CLUSTER = Path(__file__).with_name("slurm_cluster.sh")
 # The generated project's small and fast settings (its tests/conftest.py has the same).
 FAST = (
     "model.name=mlp model.hidden_dim=32 data.image_size=8 data.train_size=1024 data.val_size=101 "
-    "data.num_workers=0 train.batch_size=16 data.augment=false"
+    "train.num_workers=0 train.batch_size=16 data.augment=false"
 ).split()
 # The shipped script asks for GPUs; this cluster has none. Adapted by variables, not edits.
 NO_GPU = {"SBATCH_GPUS_PER_NODE": "0"}

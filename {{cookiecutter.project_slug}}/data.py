@@ -1,19 +1,30 @@
 """Datasets: edit this file to train on your own data.
 
-`prepare_data(cfg)` downloads or unpacks files, if a dataset needs that; train.py runs it
-on one process per node at a time. `build_datasets(cfg)` then runs on every process at
-once and returns (train_dataset, val_dataset); it only reads. Each item is
-(image tensor [C, H, W], integer label). Rules that keep distributed training correct:
+What train.py and evaluate.py use from here:
+- `DataConfig`: the `data:` section of config.yaml, each key with its default.
+- `prepare_data(cfg)`: downloads or unpacks files, if a dataset needs that; it runs on
+  one process per node at a time.
+- `build_datasets(cfg) -> (train_dataset, val_dataset)`: runs on every process at once
+  and only reads. A sample may be anything your `training_step` and `validation_step`
+  (model.py) understand: here (image tensor [C, H, W], integer label).
+- `collate_fn(samples) -> batch` (optional; this example has none): makes one batch from
+  a list of samples, when torch's default (stacking tensors) does not fit, e.g. images of
+  different sizes with per-image targets. Any structure of tensors works as a batch:
+  lists, tuples, dicts, namedtuples, dataclasses.
+
+Rules that keep distributed training correct:
 - `__getitem__` returns fresh tensors, never an object the dataset keeps (a caller that
   mutates it would change the dataset, and workers would copy it on every read).
 - Keep per-sample metadata in tensors or arrays, not Python lists of objects.
-- Draw randomness from torch (e.g. torchvision transforms): loader.py seeds it per sample,
-  so augmentations repeat exactly on resume and never repeat across ranks or workers.
-- Nothing here is distributed: samplers and loaders live in loader.py.
+- Draw randomness from torch (e.g. torchvision transforms): the machinery seeds it per
+  sample, so augmentations repeat exactly on resume and never repeat across ranks or workers.
+- Nothing here is distributed: samplers and loaders are the machinery's.
 """
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
+from typing import ClassVar
 
 import numpy as np
 import torch
@@ -21,16 +32,36 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
-from config import Config, UsageError
+from engine.config import ConfigError, UsageError, check_choice, check_positive
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"  # synthetic (made from the seed) | imagefolder | cifar10
+    root: str = "data"  # imagefolder: <root>/train/<class>/*, <root>/val/<class>/*; cifar10: its folder
+    download: bool = False  # cifar10 only: fetch it into root if missing
+    train_size: int = 4096  # synthetic only
+    val_size: int = 1000  # synthetic only
+    num_classes: int = 10  # synthetic only; imagefolder and cifar10 count their classes
+    image_size: int = 32
+    augment: bool = True  # random crop and horizontal flip on training images
+
+    # Keys a resumed run may change: where the files are, how they are fetched and augmented.
+    may_change_on_resume: ClassVar[tuple[str, ...]] = ("root", "download", "augment")
+
+    def __post_init__(self):
+        check_choice("data.name", self.name, ("synthetic", "imagefolder", "cifar10"))
+        for key in ("train_size", "val_size", "num_classes", "image_size"):
+            check_positive(f"data.{key}", getattr(self, key))
 
 
 class DataError(UsageError):
     pass
 
 
-def prepare_data(cfg: Config) -> None:
+def prepare_data(cfg) -> None:
     """Fetch what build_datasets reads (nothing for synthetic data or an image folder)."""
     if cfg.data.name == "cifar10" and cfg.data.download:
         from torchvision.datasets import CIFAR10
@@ -45,7 +76,7 @@ def prepare_data(cfg: Config) -> None:
             ) from None
 
 
-def build_datasets(cfg: Config) -> tuple[Dataset, Dataset]:
+def build_datasets(cfg) -> tuple[Dataset, Dataset]:
     data = cfg.data
     train_tf = train_transform(data.image_size, data.augment)
     val_tf = v2.Normalize(MEAN, STD)
@@ -57,7 +88,18 @@ def build_datasets(cfg: Config) -> tuple[Dataset, Dataset]:
         return image_folder(Path(data.root), data.image_size, train_tf)
     if data.name == "cifar10":
         return cifar10(Path(data.root), train_tf, val_tf)
-    raise DataError(f"unknown data.name {data.name!r}: add it to build_datasets in data.py")
+    raise ConfigError(f"unknown data.name {data.name!r}: add it to build_datasets in data.py")
+
+
+def count_classes(cfg) -> int:
+    """The number of classes: data.num_classes for synthetic data, else the data's own."""
+    if cfg.data.name == "imagefolder":
+        folder = Path(cfg.data.root) / "train"
+        check_class_folders(folder, "train")
+        return sum(1 for p in folder.iterdir() if p.is_dir())
+    if cfg.data.name == "cifar10":
+        return 10
+    return cfg.data.num_classes
 
 
 def train_transform(image_size: int, augment: bool) -> v2.Transform:

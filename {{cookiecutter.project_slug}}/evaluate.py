@@ -4,7 +4,7 @@
   torchrun --nproc_per_node=4 evaluate.py --checkpoint PATH [--config FILE] [section.key=value ...]
 
 The model and data settings come from the checkpoint's own config unless --config is
-given; key=value overrides apply on top (e.g. data.num_workers=0).
+given; key=value overrides apply on top (e.g. train.num_workers=0).
 """
 
 import argparse
@@ -12,14 +12,21 @@ import json
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from checkpoint import load_checkpoint, load_model_weights
-from config import load_config
-from data import build_datasets, prepare_data
-from distributed import cleanup_distributed, init_distributed_mode, is_main, run_everywhere, run_on_node_leaders
-from engine import evaluate
-from loader import build_val_loader, with_num_classes
-from logs import report_errors
-from model import build_model
+import data
+from data import DataConfig, build_datasets, prepare_data
+from engine.checkpoint import load_checkpoint, load_model_weights
+from engine.config import load_config
+from engine.distributed import (
+    cleanup_distributed,
+    init_distributed_mode,
+    is_main,
+    prepare_on_node_leaders,
+    stop_all_if_any_fails,
+)
+from engine.evaluation import evaluate
+from engine.loader import build_val_loader
+from engine.logs import report_errors
+from model import ModelConfig, build_metrics, build_model, validation_step
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,16 +42,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     ckpt = load_checkpoint(args.checkpoint)
-    cfg = load_config(args.config, args.overrides, base=ckpt.get("config"))
+    cfg = load_config(args.config, args.overrides, data=DataConfig, model=ModelConfig, base=ckpt.get("config"))
     env, device = init_distributed_mode(cfg.dist)
     try:
-        run_on_node_leaders(lambda: prepare_data(cfg), env, device)  # one writer per node at a time
-        train_set, val_set = run_everywhere(lambda: build_datasets(cfg), device)
-        cfg = with_num_classes(cfg, train_set)
+        prepare_on_node_leaders(prepare_data, cfg, env, device)  # one writer per node at a time
+        with stop_all_if_any_fails(device):
+            _, val_set = build_datasets(cfg)
+        val_loader = build_val_loader(val_set, cfg, env, device, getattr(data, "collate_fn", None))
         model = build_model(cfg)
         load_model_weights(model, ckpt["model"], args.checkpoint)
         model.to(device)
-        metrics = evaluate(model, build_val_loader(val_set, cfg, env, device), device, cfg.train.precision)
+        metrics = evaluate(model, val_loader, validation_step, build_metrics(cfg), device, cfg.train.precision)
         if is_main():
             print(json.dumps({"checkpoint": args.checkpoint, "step": ckpt.get("step"), **metrics}), flush=True)
     finally:

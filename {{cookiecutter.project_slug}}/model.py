@@ -1,15 +1,50 @@
-"""Models: edit this file to train your own.
+"""The task: edit this file to train your own model, loss and metrics.
 
-`build_model(cfg)` returns a plain `nn.Module` mapping images [N, C, H, W] to class
-logits [N, num_classes]. Keep it unaware of distribution: parallel.py converts BatchNorm
-to SyncBatchNorm, moves it to the device and wraps it in DDP or FSDP.
+What train.py and evaluate.py use from here:
+- `ModelConfig`: the `model:` section of config.yaml, each key with its default.
+- `build_model(cfg) -> nn.Module`: a plain module, unaware of distribution: the
+  machinery converts BatchNorm to SyncBatchNorm, moves it to the device and wraps it in
+  DDP or FSDP.
+- `training_step(model, batch) -> loss`: the loss of one batch (a tensor), or a dict of
+  named losses: backward runs on their sum, and each is logged as `train_<name>`.
+- `build_metrics(cfg) -> {name: metric}` and `validation_step(model, batch, metrics)`:
+  the validation metrics (engine.metrics: `Mean`, `Sum`, or `Gathered` for metrics that
+  are not sums, such as AUROC or mAP), updated batch by batch; each is reported as
+  `val_<name>`, exact over the whole validation set on any number of processes.
+- `BLOCKS`: the repeated blocks of the model, the units that train.activation_checkpointing
+  recomputes and that FSDP shards.
+
+A batch is what data.py's dataset (and its `collate_fn`, if any) makes, already on the
+device. Both steps run under autocast when train.precision is bf16 or fp16.
 """
 
+from dataclasses import dataclass
+from typing import ClassVar
+
 import torch.nn as nn
+import torch.nn.functional as F
 from torchvision.models import resnet18
 from torchvision.models.resnet import BasicBlock
 
-from config import Config, ConfigError
+from data import count_classes
+from engine.config import ConfigError, check_positive
+from engine.metrics import Mean
+
+
+@dataclass
+class ModelConfig:
+    name: str = "resnet18"  # resnet18 (BatchNorm) | mlp (small, fast on CPU)
+    hidden_dim: int = 256  # mlp only
+    dropout: float = 0.0  # mlp only
+
+    may_change_on_resume: ClassVar[tuple[str, ...]] = ()  # every key here changes what the weights mean
+
+    def __post_init__(self):
+        if self.name not in ("resnet18", "mlp"):
+            raise ConfigError(f"unknown model.name {self.name!r}: choose resnet18 or mlp, or add yours in model.py")
+        check_positive("model.hidden_dim", self.hidden_dim)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
 
 
 class MLPBlock(nn.Module):
@@ -23,19 +58,31 @@ class MLPBlock(nn.Module):
         return self.dropout(self.activation(self.linear(x)))
 
 
-# The repeated blocks of your model: the units that model.activation_checkpointing
-# recomputes and that FSDP shards. Add your own block types here.
 BLOCKS = (BasicBlock, MLPBlock)
 
 
-def build_model(cfg: Config) -> nn.Module:
-    num_classes = cfg.data.num_classes
+def build_model(cfg) -> nn.Module:
+    num_classes = count_classes(cfg)
     if cfg.model.name == "resnet18":
         return small_image_resnet18(num_classes)
-    if cfg.model.name == "mlp":
-        in_features = 3 * cfg.data.image_size**2
-        return MLP(in_features, cfg.model.hidden_dim, num_classes, cfg.model.dropout)
-    raise ConfigError(f"unknown model.name {cfg.model.name!r}: choose resnet18 or mlp, or add yours in model.py")
+    in_features = 3 * cfg.data.image_size**2
+    return MLP(in_features, cfg.model.hidden_dim, num_classes, cfg.model.dropout)
+
+
+def training_step(model: nn.Module, batch):
+    images, labels = batch
+    return F.cross_entropy(model(images), labels)
+
+
+def build_metrics(cfg) -> dict:
+    return {"loss": Mean(), "acc": Mean()}
+
+
+def validation_step(model: nn.Module, batch, metrics: dict) -> None:
+    images, labels = batch
+    logits = model(images).float()
+    metrics["loss"].update(F.cross_entropy(logits, labels, reduction="none"))
+    metrics["acc"].update((logits.argmax(dim=1) == labels).float())
 
 
 def small_image_resnet18(num_classes: int) -> nn.Module:

@@ -1,198 +1,183 @@
-"""Train a classifier with DistributedDataParallel.
+"""Train the task of model.py on the data of data.py with DistributedDataParallel.
 
   python train.py [--config config.yaml] [section.key=value ...]    one process
   torchrun --nproc_per_node=4 train.py [section.key=value ...]     4 processes, this machine
   srun python train.py [section.key=value ...]                     one process per SLURM task
+  python train.py --print-config                                   every setting, its value and meaning
 
 Re-running with the same output_dir continues from its last checkpoint
 (checkpoint.resume=auto).
 """
 
 import argparse
-import functools
 import gc
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.utils.data import DataLoader
 
-from checkpoint import resume_train_state, save_train_state
-from config import Config, load_config, save_config
-from data import build_datasets, prepare_data
-from distributed import (
-    DistEnv,
+import data
+from data import DataConfig, build_datasets, prepare_data
+from engine.batch import move_to_device
+from engine.checkpoint import Checkpointer
+from engine.config import format_config, load_config, save_config
+from engine.distributed import (
     barrier,
     broadcast_buffers,
     cleanup_distributed,
     init_distributed_mode,
-    run_everywhere,
-    run_on_main,
-    run_on_node_leaders,
+    is_main,
+    prepare_on_node_leaders,
+    stop_all_if_any_fails,
 )
-from engine import TrainState, evaluate, train_one_epoch
-from loader import build_train_loader, build_val_loader, with_num_classes
-from logs import (
-    NoTensorBoardLog,
-    TensorBoardLog,
-    log,
-    make_metrics_log,
-    make_progress,
-    make_tensorboard_log,
-    report_errors,
+from engine.evaluation import evaluate
+from engine.loader import build_train_loader, build_val_loader
+from engine.logs import RunLog, log, report_errors
+from engine.memory import freeze_setup_objects, report_memory
+from engine.optim import build_grad_scaler, build_optimizer, build_scheduler, check_precision
+from engine.parallel import memory_format, wrap_model
+from engine.preemption import StopRequest
+from engine.seeding import derive_seed, seed_everything, set_determinism
+from engine.training import (
+    EpochStats,
+    TrainState,
+    forward_backward,
+    is_last_micro_batch,
+    optimizer_step,
+    samples_per_step,
 )
-from memory import freeze_setup_objects, report_memory
-from model import BLOCKS, build_model
-from optim import build_grad_scaler, build_optimizer, build_scheduler, check_precision
-from parallel import wrap_model
-from preemption import StopRequest
-from seeding import derive_seed, seed_everything, set_determinism
+from model import BLOCKS, ModelConfig, build_metrics, build_model, training_step, validation_step
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="config.yaml", help="YAML config (default: config.yaml)")
+    parser.add_argument("--print-config", action="store_true", help="print every setting of the run and exit")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. train.lr=0.05")
     return parser.parse_args(argv)
-
-
-@dataclass
-class Run:
-    """What stays fixed while the epochs go by."""
-
-    cfg: Config
-    env: DistEnv
-    device: torch.device
-    train_loader: DataLoader
-    val_loader: DataLoader
-    stop_request: StopRequest
-    memory_report_step: int  # report per-rank memory once, early, at this step
-    tensorboard_log: TensorBoardLog | NoTensorBoardLog
 
 
 @record  # the failing rank's traceback reaches torchrun's summary
 @report_errors
 def main(argv=None) -> None:
     args = parse_args(argv)
-    cfg = load_config(args.config, args.overrides)
+    cfg = load_config(args.config, args.overrides, data=DataConfig, model=ModelConfig)
+    if args.print_config:
+        print(format_config(cfg), end="")
+        return
     env, device = init_distributed_mode(cfg.dist)
     try:
-        stop_request = StopRequest(cfg.dist.timeout_minutes).install()
+        stop = StopRequest(cfg.dist.timeout_minutes, cfg.train.stop_at_step).install()
         check_precision(cfg, device)
         set_determinism(cfg.train.deterministic, device)
+        train_loader, val_loader, state = load_train_objs(cfg, env, device)
+        checkpointer = Checkpointer(cfg, env, device)
+        rng_restored = checkpointer.resume(state)
+        run_log = start_run_log(cfg, env, state, train_loader, val_loader)  # rank 0's; None elsewhere
 
-        run_on_node_leaders(lambda: prepare_data(cfg), env, device)  # one writer per node at a time
-        train_set, val_set = run_everywhere(lambda: build_datasets(cfg), device)
-        cfg = with_num_classes(cfg, train_set)
-        train_loader = build_train_loader(train_set, cfg, env, device)
-        val_loader = build_val_loader(val_set, cfg, env, device)
-        steps_per_epoch = train_loader.sampler.num_batches // cfg.train.accum_steps
-
-        seed_everything(cfg.seed)  # identical initial weights on every rank
-        model, train_model = wrap_model(build_model(cfg), cfg, env, device, BLOCKS)
-
-        optimizer = build_optimizer(model, cfg.train)
-        scheduler = build_scheduler(optimizer, cfg.train, steps_per_epoch)
-        state = TrainState(model, train_model, optimizer, scheduler, build_grad_scaler(cfg.train.precision, device))
-
-        rng_restored = resume_train_state(state, cfg, env.rank, env.world_size, device)
-        run_on_main(lambda: save_config(cfg, Path(cfg.output_dir) / "config.yaml"), device)
-        log(
-            f"training on {env.world_size} process(es), {device.type}, {cfg.train.strategy}; {len(train_set)} "
-            f"train / {len(val_set)} val samples; effective batch "
-            f"{cfg.train.batch_size * env.world_size * cfg.train.accum_steps}; {steps_per_epoch} steps/epoch"
-        )
-
-        metrics_log = make_metrics_log(cfg.output_dir)
-        tensorboard_log = run_everywhere(
-            lambda: make_tensorboard_log(cfg.output_dir, cfg.train.tensorboard, start_step=state.step), device
-        )
-        memory_report_step = state.step + min(10, steps_per_epoch)
-        run = Run(cfg, env, device, train_loader, val_loader, stop_request, memory_report_step, tensorboard_log)
         freeze_setup_objects()  # no full garbage collection pauses inside the steps
         try:
-            while state.epoch < cfg.train.epochs and not state.stopped_early:
+            while state.epoch < cfg.train.epochs:
                 if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
                     seed_everything(derive_seed(cfg.seed, env.rank, state.epoch))
                 rng_restored = False
-                epoch_metrics = run_epoch(state, run)
-                if epoch_metrics:
-                    run_on_main(functools.partial(metrics_log.write, epoch_metrics), device)
-                    run_on_main(functools.partial(tensorboard_log.write_epoch, epoch_metrics), device)
-                    log(format_metrics(epoch_metrics))
+                epoch_start = time.perf_counter()
+                train_metrics, finished = train_one_epoch(state, train_loader, cfg, stop, checkpointer, run_log)
+                if not finished:
+                    checkpointer.save(state)
+                    if is_main():
+                        log(
+                            f"stopped at step {state.step} {stop.reason(state.step)}; checkpoint saved, "
+                            "run the same command to continue"
+                        )
+                    break
+
+                if cfg.train.strategy == "ddp":
+                    broadcast_buffers(state.model)  # evaluate and save rank 0's BatchNorm statistics
+                metrics = build_metrics(cfg)
+                val_metrics = evaluate(state.model, val_loader, validation_step, metrics, device, cfg.train.precision)
+                memory = report_memory(device, f"epoch {state.epoch}")
+                state.epoch, state.batches_done = state.epoch + 1, 0
+                checkpointer.save(state, val_metrics)  # best.pt by checkpoint.best_metric
+
+                epoch_metrics = {"epoch": state.epoch - 1, "step": state.step, **train_metrics, **val_metrics}
+                epoch_metrics |= {"lr": state.scheduler.get_last_lr()[0], "memory": memory}
+                # Time outside training steps: evaluation, memory report, checkpoint.
+                epoch_metrics["outside_train_s"] = time.perf_counter() - epoch_start - train_metrics["train_time_s"]
+                with stop_all_if_any_fails(device):
+                    if is_main():
+                        run_log.write_epoch(epoch_metrics)
         finally:
-            tensorboard_log.close()  # what is still buffered reaches the disk, also on failure
+            if is_main():
+                run_log.close()  # what is still buffered reaches the disk, also on failure
         barrier(device)  # leave together: tearing down a group with peers mid-call can abort
     finally:
         gc.unfreeze()
         cleanup_distributed()
 
 
-def run_epoch(state: TrainState, run: Run) -> dict | None:
-    """Train the rest of the current epoch, evaluate, checkpoint. Returns the epoch's
-    metrics, or None when training stopped early (after writing a step checkpoint)."""
-    cfg, epoch, accum = run.cfg, state.epoch, run.cfg.train.accum_steps
-    run.train_loader.sampler.set_epoch(epoch, start_batch=state.batches_done)
-    steps_per_epoch = run.train_loader.sampler.num_batches // accum
-    done_steps = state.batches_done // accum
-    samples_per_step = cfg.train.batch_size * run.env.world_size * accum  # the effective batch
-    progress = make_progress(
-        epoch, steps_per_epoch, done_steps, cfg.train.log_every_steps, samples_per_step, run.tensorboard_log
-    )
+def load_train_objs(cfg, env, device):
+    """The run's data loaders and its TrainState (model, optimizer, schedule). The task
+    itself is in data.py and model.py. Every rank must call this."""
+    prepare_on_node_leaders(prepare_data, cfg, env, device)  # downloads: one process per node at a time
+    with stop_all_if_any_fails(device):
+        train_set, val_set = build_datasets(cfg)  # every process reads at once
+    collate_fn = getattr(data, "collate_fn", None)  # data.py may define one
+    train_loader = build_train_loader(train_set, cfg, env, device, collate_fn)
+    val_loader = build_val_loader(val_set, cfg, env, device, collate_fn)
+    steps_per_epoch = train_loader.sampler.num_batches // cfg.train.accum_steps
 
-    def after_step(state) -> bool:
-        """Periodic checkpoints and reports; True to stop (stop_at_step or a signal)."""
-        stop = run.stop_request.agreed(state.step) or state.step == cfg.train.stop_at_step
-        if not stop and cfg.checkpoint.every_steps and state.step % cfg.checkpoint.every_steps == 0:
-            save_train_state(state, cfg, run.env.world_size, run.device)
-        if state.step == run.memory_report_step:
-            report_memory(run.device, f"after step {state.step}", count_tensors=False)
-        return stop
+    seed_everything(cfg.seed)  # the same initial weights on every rank
+    model, train_model = wrap_model(build_model(cfg), cfg, env, device, BLOCKS)  # SyncBatchNorm, device, DDP
+    optimizer = build_optimizer(model, cfg.train)
+    scheduler = build_scheduler(optimizer, cfg.train, steps_per_epoch)
+    scaler = build_grad_scaler(cfg.train.precision, device)
+    return train_loader, val_loader, TrainState(model, train_model, optimizer, scheduler, scaler, device)
 
-    epoch_start = time.perf_counter()
+
+def start_run_log(cfg, env, state: TrainState, train_loader, val_loader) -> RunLog | None:
+    """On rank 0: save the resolved config, say what runs, open the run's log. An
+    unwritable output_dir stops every rank here. Every rank must call this."""
+    run_log = None
+    with stop_all_if_any_fails(state.device):
+        if is_main():
+            save_config(cfg, Path(cfg.output_dir) / "config.yaml")
+            log(
+                f"training on {env.world_size} process(es), {state.device.type}, {cfg.train.strategy}; "
+                f"{len(train_loader.dataset)} train / {len(val_loader.dataset)} val samples; effective batch "
+                f"{samples_per_step(cfg)}; {train_loader.sampler.num_batches // cfg.train.accum_steps} steps/epoch"
+            )
+            run_log = RunLog(cfg, samples_per_step(cfg), start_step=state.step)
+    return run_log
+
+
+def train_one_epoch(state: TrainState, loader, cfg, stop: StopRequest, checkpointer: Checkpointer, run_log):
+    """Train from `state.batches_done` to the end of `state.epoch`. Returns the epoch's
+    train metrics, and whether the epoch finished (False: a stop was requested)."""
+    loader.sampler.set_epoch(state.epoch, start_batch=state.batches_done)
+    accum = cfg.train.accum_steps
+    if is_main():
+        progress = run_log.progress(state.epoch, loader.sampler.num_batches // accum, state.batches_done // accum)
+    stats = EpochStats(state.device)
+    state.train_model.train()
     try:
-        train_metrics = train_one_epoch(state, run.train_loader, cfg, run.device, progress, after_step)
+        for batch in loader:
+            batch = move_to_device(batch, state.device, memory_format(cfg))
+            losses = forward_backward(state, batch, training_step, cfg)  # the task's loss, then backward
+            stats.add(losses)
+            if not is_last_micro_batch(state, cfg):
+                continue  # accumulate gradients
+            optimizer_step(state, cfg.train.grad_clip)
+            stats.step_done()
+            if is_main():
+                progress.update(state.step, losses["loss"], state.scheduler.get_last_lr()[0])
+            if stop.requested(state.step):  # a signal to any rank, or train.stop_at_step
+                return stats.summary(cfg.train.batch_size), False
+            checkpointer.save_if_due(state)  # every checkpoint.every_steps
     finally:
-        progress.close()
-    if state.stopped_early:
-        save_train_state(state, cfg, run.env.world_size, run.device)
-        signal_name = run.stop_request.signal_name
-        reason = "at train.stop_at_step" if state.step == cfg.train.stop_at_step and not signal_name else ""
-        log(
-            f"stopped at step {state.step} {reason or 'by ' + (signal_name or 'a signal to another process')}; "
-            "checkpoint saved, run the same command to continue"
-        )
-        return None
-    if cfg.train.strategy == "ddp":
-        broadcast_buffers(state.model)
-    val_metrics = evaluate(state.model, run.val_loader, run.device, cfg.train.precision)
-    memory = report_memory(run.device, f"epoch {epoch}")
-    state.epoch, state.batches_done = epoch + 1, 0
-    is_best = val_metrics["val_acc"] > state.best_acc
-    state.best_acc = max(state.best_acc, val_metrics["val_acc"])
-    save_train_state(state, cfg, run.env.world_size, run.device, is_best=is_best)
-    # Time spent outside training steps: evaluation, memory report, checkpoint.
-    outside_s = time.perf_counter() - epoch_start - train_metrics["train_time_s"]
-    lr = state.scheduler.get_last_lr()[0]
-    return {
-        "epoch": epoch,
-        "step": state.step,
-        **train_metrics,
-        **val_metrics,
-        "lr": lr,
-        "outside_train_s": outside_s,
-        "memory": memory,
-    }
-
-
-def format_metrics(metrics: dict) -> str:
-    return (
-        f"epoch {metrics['epoch']}: train_loss {metrics['train_loss']:.4f}  val_loss {metrics['val_loss']:.4f}  "
-        f"val_acc {metrics['val_acc']:.4f} ({metrics['num_samples']} samples)  "
-        f"{metrics['samples_per_s']:.0f} samples/s"
-    )
+        if is_main():
+            progress.close()
+    return stats.summary(cfg.train.batch_size), True
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ from pathlib import Path
 
 import pytest
 
+from data import DataConfig
+from engine.config import load_config
+from model import ModelConfig
+
 PROJECT = Path(__file__).resolve().parents[1]
 
 # Small and fast: the mlp model, tiny synthetic data, no worker processes.
@@ -19,12 +23,17 @@ FAST = [
     "data.image_size=8",
     "data.train_size=1024",
     "data.val_size=101",
-    "data.num_workers=0",
+    "train.num_workers=0",
     "train.batch_size=16",
     "train.lr=0.1",
     "data.augment=false",
     "train.log_every_steps=4",
 ]
+
+
+def project_config(path=None, overrides=(), base=None):
+    """This project's config: config.yaml's schema with the example task's sections."""
+    return load_config(path, list(overrides), data=DataConfig, model=ModelConfig, base=base)
 
 
 def command(script, args, nproc=None, torchrun_args=()):
@@ -43,11 +52,11 @@ def clean_env(extra=None) -> dict:
     return {**env, **(extra or {})}
 
 
-def run_script(script, args, nproc=None, env=None, timeout=240, check=True, torchrun_args=()):
+def run_script(script, args, nproc=None, env=None, timeout=240, check=True, torchrun_args=(), cwd=PROJECT):
     """Run train.py/evaluate.py in a fresh process (under torchrun when `nproc` is set)."""
     result = subprocess.run(
         command(script, args, nproc, torchrun_args),
-        cwd=PROJECT,
+        cwd=cwd,
         env=clean_env(env),
         capture_output=True,
         text=True,

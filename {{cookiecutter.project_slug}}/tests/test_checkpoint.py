@@ -3,7 +3,8 @@ import pickle
 import pytest
 import torch
 
-from checkpoint import (
+from conftest import FAST, project_config, read_metrics, run_script
+from engine.checkpoint import (
     CheckpointError,
     load_checkpoint,
     load_model_weights,
@@ -11,22 +12,23 @@ from checkpoint import (
     step_checkpoints,
     strip_prefixes,
 )
-from config import load_config, to_dict
-from engine import TrainState
+from engine.config import to_dict
+from engine.optim import build_grad_scaler, build_optimizer, build_scheduler
+from engine.seeding import capture_rng_state
+from engine.training import TrainState
 from model import MLP
-from optim import build_grad_scaler, build_optimizer, build_scheduler
-from seeding import capture_rng_state
 
 
 def make_state(seed=0):
     torch.manual_seed(seed)
     model = MLP(12, 8, 3)
-    cfg = load_config(None, ["train.optimizer=adamw"])
+    cfg = project_config(None, ["train.optimizer=adamw"])
     optimizer = build_optimizer(model, cfg.train)
     model(torch.randn(4, 12)).sum().backward()
     optimizer.step()  # creates optimizer state tensors
     scheduler = build_scheduler(optimizer, cfg.train, steps_per_epoch=10)
-    return TrainState(model, model, optimizer, scheduler, build_grad_scaler("fp32", torch.device("cpu"))), cfg
+    cpu = torch.device("cpu")
+    return TrainState(model, model, optimizer, scheduler, build_grad_scaler("fp32", cpu), cpu), cfg
 
 
 def payload(state, cfg):
@@ -100,3 +102,28 @@ def test_pickle_that_runs_code_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="evil.pt"):
         load_checkpoint(evil)
     assert not marker.exists()
+
+
+def test_best_checkpoint_follows_best_metric_and_mode(tmp_path):
+    args = [*FAST, "train.epochs=3", "data.train_size=512", "checkpoint.best_metric=val_loss"]
+    best_steps = {}
+    for mode, pick in (("min", min), ("max", max)):
+        out = tmp_path / mode
+        run_script("train.py", [*args, f"checkpoint.best_mode={mode}", f"output_dir={out}"])
+        epochs = read_metrics(out)
+        losses = [m["val_loss"] for m in epochs]
+        best_epoch = losses.index(pick(losses))  # the first epoch that reached the best value
+        best = load_checkpoint(out / "checkpoints" / "best.pt")
+        assert (best["step"], best["best_metric_value"]) == (epochs[best_epoch]["step"], losses[best_epoch])
+        best_steps[mode] = best["step"]
+    assert best_steps["min"] != best_steps["max"]  # the mode decides
+
+
+def test_an_unknown_best_metric_is_one_line_naming_the_choices(tmp_path):
+    args = [*FAST, "train.epochs=1", "data.train_size=256", "checkpoint.best_metric=val_f1"]
+    result = run_script("train.py", [*args, f"output_dir={tmp_path / 'run'}"], nproc=2, check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and errors == [
+        "error: checkpoint.best_metric is 'val_f1', which this task does not report (it reports val_loss, "
+        "val_acc); set checkpoint.best_metric to one of them"
+    ], result.stderr

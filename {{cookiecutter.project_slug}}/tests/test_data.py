@@ -1,15 +1,20 @@
 import pytest
 import torch
 
-from config import load_config
+from conftest import project_config
 from data import DataError, build_datasets, prepare_data
-from distributed import DistEnv
-from loader import SeededSamples, ShardSampler, TrainSampler, micro_batches_per_epoch
-from seeding import derive_seed, sample_seeds
+from engine.distributed import DistEnv
+from engine.loader import (
+    SeededSamples,
+    ShardSampler,
+    TrainSampler,
+    micro_batches_per_epoch,
+)
+from engine.seeding import derive_seed, sample_seeds
 
 
 def datasets(*overrides):
-    return build_datasets(load_config(None, ["data.train_size=64", "data.val_size=13", *overrides]))
+    return build_datasets(project_config(None, ["data.train_size=64", "data.val_size=13", *overrides]))
 
 
 def test_synthetic_data_is_made_from_the_seed():
@@ -45,7 +50,7 @@ def test_augmentation_is_a_function_of_seed_epoch_and_index():
 
 def test_train_batches_do_not_depend_on_world_size():
     train, _ = datasets()
-    cfg = load_config(None, ["train.batch_size=8"])
+    cfg = project_config(None, ["train.batch_size=8"])
 
     def global_batches(world_size, batch_size):
         ranks = []
@@ -90,7 +95,7 @@ def test_every_sample_of_every_epoch_has_its_own_random_stream():
 
 
 def test_missing_cifar10_says_where_it_looked_and_what_to_set(tmp_path):
-    cfg = load_config(None, ["data.name=cifar10", f"data.root={tmp_path}"])
+    cfg = project_config(None, ["data.name=cifar10", f"data.root={tmp_path}"])
     prepare_data(cfg)  # data.download=false: nothing to fetch
     with pytest.raises(DataError, match=r"no complete dataset in .*cifar-10-batches-py'; set data.download=true"):
         build_datasets(cfg)

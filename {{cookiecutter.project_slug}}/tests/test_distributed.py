@@ -1,15 +1,15 @@
 import pytest
 import torch
 
-from config import ConfigError, UsageError
-from distributed import (
+from engine.config import ConfigError, UsageError
+from engine.distributed import (
     DistEnv,
     expand_nodelist,
     parse_dist_env,
     select_backend,
     select_device,
 )
-from parallel import use_sync_batchnorm
+from engine.parallel import use_sync_batchnorm
 
 
 def test_plain_python_is_one_process():
@@ -96,11 +96,11 @@ def test_sync_batchnorm_only_on_several_gpus():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
 def test_wrap_model_on_gpu_for_one_process():
-    from config import load_config
+    from conftest import project_config
+    from engine.parallel import wrap_model
     from model import BLOCKS, small_image_resnet18
-    from parallel import wrap_model
 
-    cfg = load_config(None, [])
+    cfg = project_config(None, [])
     model, train_model = wrap_model(small_image_resnet18(10), cfg, DistEnv(), torch.device("cuda", 0), BLOCKS)
     assert train_model is model
     assert next(model.parameters()).device == torch.device("cuda", 0)

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from checkpoint import load_checkpoint
 from conftest import FAST, read_metrics, run_script
+from engine.checkpoint import load_checkpoint
 
 
 def final_state(output_dir):
@@ -70,7 +70,7 @@ RESUME = [
 
 @pytest.mark.parametrize("nproc, workers, stop_at", [(None, 0, 37), (2, 2, 21)])
 def test_interrupted_run_resumes_bitwise_identical(tmp_path, nproc, workers, stop_at):
-    args = [*RESUME, f"data.num_workers={workers}"]
+    args = [*RESUME, f"train.num_workers={workers}"]
     whole, split = tmp_path / "whole", tmp_path / "split"
     run_script("train.py", [*args, f"output_dir={whole}"], nproc=nproc)
     stopped = run_script("train.py", [*args, f"output_dir={split}", f"train.stop_at_step={stop_at}"], nproc=nproc)
@@ -99,7 +99,7 @@ def test_resume_on_another_world_size_continues_and_says_so(tmp_path):
 
 
 def test_deterministic_switch():
-    from seeding import set_determinism
+    from engine.seeding import set_determinism
 
     try:
         set_determinism(True, torch.device("cpu"))

@@ -14,7 +14,6 @@ import time
 import pytest
 import torch
 
-from checkpoint import load_checkpoint, save_checkpoint, step_checkpoints
 from conftest import (
     FAST,
     PROJECT,
@@ -27,6 +26,7 @@ from conftest import (
     start_script,
     wait_for_line,
 )
+from engine.checkpoint import load_checkpoint, save_checkpoint, step_checkpoints
 
 # Long enough epochs that a signal lands mid-epoch; runs end at train.stop_at_step.
 LONG = [*FAST, "data.train_size=8192", "train.log_every_steps=1", "data.augment=true", "model.dropout=0.1"]
@@ -59,7 +59,7 @@ def uninterrupted(tmp_path_factory):
 KILLED_SAVE = """
 import sys, time, torch
 from pathlib import Path
-from checkpoint import atomic_write, save_checkpoint
+from engine.checkpoint import atomic_write, save_checkpoint
 directory = Path(sys.argv[1])
 save_checkpoint({"model": {"w": torch.ones(3)}, "step": 1}, directory, step=1, keep_last=3, is_best=False)
 
@@ -313,7 +313,7 @@ def test_unreadable_image_is_named_from_a_worker(tmp_path):
         *FAST,
         "data.name=imagefolder",
         f"data.root={tmp_path / 'images'}",
-        "data.num_workers=2",
+        "train.num_workers=2",
         "train.batch_size=8",
     ]
     result = run_script("train.py", [*args, f"output_dir={tmp_path / 'run'}"], nproc=2, check=False)

@@ -6,8 +6,8 @@ import sys
 import pytest
 import torch
 
-from checkpoint import load_checkpoint
 from conftest import FAST, PROJECT, clean_env, free_port, run_script
+from engine.checkpoint import load_checkpoint
 
 RUN = [*FAST, "train.epochs=1", "checkpoint.resume=none"]
 
@@ -61,20 +61,20 @@ def test_two_nodes_train_like_one_node_with_two_processes(tmp_path, backend):
 NODE_LEADERS = """
 import sys, time
 import torch.distributed as dist
-from config import DistConfig
-from distributed import init_distributed_mode, run_on_node_leaders
+from engine.config import DistConfig
+from engine.distributed import init_distributed_mode, prepare_on_node_leaders
 
 env, device = init_distributed_mode(DistConfig())
 log = sys.argv[1]
 
-def prepare():
+def prepare(cfg):
     with open(log, "a") as f:
         f.write(f"start {env.rank} {env.local_rank}\\n")
     time.sleep(0.5)  # e.g. a download
     with open(log, "a") as f:
         f.write(f"end {env.rank} {env.local_rank}\\n")
 
-run_on_node_leaders(prepare, env, device)
+prepare_on_node_leaders(prepare, None, env, device)
 with open(log, "a") as f:
     f.write(f"after {env.rank}\\n")
 dist.destroy_process_group()

@@ -6,17 +6,17 @@ import json
 import pytest
 import torch
 
-from checkpoint import load_checkpoint
 from conftest import FAST, PROJECT, read_metrics, run_script
-from memory import count_live_tensors, freeze_setup_objects, imbalance_warning
+from engine.checkpoint import load_checkpoint
+from engine.memory import count_live_tensors, freeze_setup_objects, imbalance_warning
+from engine.parallel import checkpoint_activations
 from model import BLOCKS, MLP, small_image_resnet18
-from parallel import checkpoint_activations
 
 IMBALANCED = """
 import torch, torch.distributed as dist
-from config import DistConfig
-from distributed import init_distributed_mode
-from memory import report_memory
+from engine.config import DistConfig
+from engine.distributed import init_distributed_mode
+from engine.memory import report_memory
 
 env, device = init_distributed_mode(DistConfig())
 if env.rank == 1:
@@ -85,7 +85,7 @@ def test_garbage_collections_after_setup_skip_setup_objects():
 
 def test_memory_stays_flat_over_epochs(tmp_path):
     out = tmp_path / "run"
-    run_script("train.py", [*FAST, "data.num_workers=2", "train.epochs=6", f"output_dir={out}"], nproc=2)
+    run_script("train.py", [*FAST, "train.num_workers=2", "train.epochs=6", f"output_dir={out}"], nproc=2)
     epochs = read_metrics(out)
     for rank in (0, 1):
         rss = [m["memory"][rank]["rss_mib"] for m in epochs[1:]]
@@ -128,7 +128,7 @@ def test_activation_checkpointing_same_gradients_less_memory(make):
 
 def test_bf16_and_activation_checkpointing_train(tmp_path):
     out = tmp_path / "run"
-    args = [*FAST, "train.precision=bf16", "model.activation_checkpointing=true", "train.epochs=1"]
+    args = [*FAST, "train.precision=bf16", "train.activation_checkpointing=true", "train.epochs=1"]
     run_script("train.py", [*args, f"output_dir={out}"])
     assert read_metrics(out)[0]["val_acc"] > 0.2
 

@@ -14,8 +14,8 @@ import time
 import pytest
 import torch
 
-from checkpoint import load_checkpoint
 from conftest import FAST, PROJECT, clean_env, command, read_metrics, run_script
+from engine.checkpoint import load_checkpoint
 
 FAST_SHORT = [*FAST, "train.epochs=1", "data.train_size=512"]
 STEP_TAGS = {"train/loss", "train/lr", "train/samples_per_s"}  # every train.log_every_steps (4 in FAST)

@@ -10,15 +10,12 @@ Evaluation: every sample exactly once, no padding, no dropped tail; ranks may ge
 shards that differ in length by one.
 """
 
-import dataclasses
-
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from config import Config
-from data import DataError
-from distributed import DistEnv
-from seeding import derive_seed, sample_seeds
+from engine.config import Config, UsageError
+from engine.distributed import DistEnv
+from engine.seeding import derive_seed, sample_seeds
 
 
 class TrainSampler(DistributedSampler):
@@ -77,13 +74,18 @@ class SeededSamples(Dataset):
 
 
 class ShardSampler(Sampler):
-    """Rank r evaluates indices r, r + world_size, ...: every sample once, none padded."""
+    """Rank r evaluates indices r, r + world_size, ...: every sample once, none padded.
+    `yielded` counts the indices handed out since the last `iter()`."""
 
     def __init__(self, length: int, env: DistEnv):
         self.indices = range(env.rank, length, env.world_size)
+        self.yielded = 0
 
     def __iter__(self):
-        return iter(self.indices)
+        self.yielded = 0
+        for index in self.indices:
+            self.yielded += 1
+            yield index
 
     def __len__(self):
         return len(self.indices)
@@ -94,7 +96,7 @@ def micro_batches_per_epoch(dataset_size: int, cfg: Config, env: DistEnv) -> int
     effective_batch = cfg.train.batch_size * env.world_size * cfg.train.accum_steps
     steps = dataset_size // effective_batch
     if steps == 0:
-        raise DataError(
+        raise UsageError(
             f"the training set has {dataset_size} samples, fewer than one effective batch "
             f"({cfg.train.batch_size} x {env.world_size} processes x {cfg.train.accum_steps} "
             f"accum_steps = {effective_batch}); lower train.batch_size or train.accum_steps"
@@ -102,24 +104,38 @@ def micro_batches_per_epoch(dataset_size: int, cfg: Config, env: DistEnv) -> int
     return steps * cfg.train.accum_steps
 
 
-def build_train_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device) -> DataLoader:
+def build_train_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device, collate_fn) -> DataLoader:
+    """`collate_fn` makes a batch from a list of samples (None: torch's default_collate)."""
     sampler = TrainSampler(
         dataset, env, cfg.seed, cfg.train.batch_size, micro_batches_per_epoch(len(dataset), cfg, env)
     )
-    return make_loader(SeededSamples(dataset), sampler, cfg.train.batch_size, cfg, device)
+    return make_loader(SeededSamples(dataset), sampler, cfg.train.batch_size, cfg, device, collate_fn)
 
 
-def build_val_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device) -> DataLoader:
+def build_val_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device, collate_fn) -> DataLoader:
     sampler = ShardSampler(len(dataset), env)
-    return make_loader(dataset, sampler, cfg.train.eval_batch_size, cfg, device)
+    return make_loader(dataset, sampler, cfg.train.eval_batch_size, cfg, device, collate_fn)
 
 
-def make_loader(dataset, sampler, batch_size: int, cfg: Config, device: torch.device) -> DataLoader:
-    workers = cfg.data.num_workers
-    return DataLoader(
+class RankDataLoader(DataLoader):
+    """A DataLoader over this rank's share. An error it raises (an unreadable file) is
+    this rank's alone, so this rank reports it, not rank 0, which never saw it."""
+
+    def __iter__(self):
+        try:
+            yield from super().__iter__()
+        except UsageError as error:
+            error.local = True
+            raise
+
+
+def make_loader(dataset, sampler, batch_size: int, cfg: Config, device: torch.device, collate_fn) -> DataLoader:
+    workers = cfg.train.num_workers
+    return RankDataLoader(
         dataset,
         batch_size=batch_size,
         sampler=sampler,
+        collate_fn=collate_fn,  # None: torch's default_collate
         num_workers=workers,
         pin_memory=device.type == "cuda",  # pinned host memory only helps copies to a GPU
         persistent_workers=workers > 0,  # no worker start-up cost at every epoch
@@ -129,11 +145,3 @@ def make_loader(dataset, sampler, batch_size: int, cfg: Config, device: torch.de
         # a resumed run's dropout would diverge from the uninterrupted run's.
         generator=torch.Generator().manual_seed(cfg.seed),
     )
-
-
-def with_num_classes(cfg: Config, train_set: Dataset) -> Config:
-    """The config with data.num_classes read from datasets that know their classes."""
-    classes = getattr(train_set, "classes", None)
-    if classes is None or len(classes) == cfg.data.num_classes:
-        return cfg
-    return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, num_classes=len(classes)))

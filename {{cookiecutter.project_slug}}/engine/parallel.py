@@ -11,9 +11,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
-from config import Config
-from distributed import DistEnv
-from logs import log
+from engine.config import Config
+from engine.distributed import DistEnv, is_main
+from engine.logs import log
 
 
 def use_sync_batchnorm(requested: bool, device: torch.device, world_size: int) -> bool:
@@ -32,17 +32,17 @@ def wrap_model(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device
     Returns (model, train_model): the module to save and evaluate, and the one to train
     (the same module for a single process and for FSDP, which shards it in place).
     """
-    if use_sync_batchnorm(cfg.model.sync_bn, device, env.world_size):
+    if use_sync_batchnorm(cfg.dist.sync_bn, device, env.world_size):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
-    elif cfg.model.sync_bn and env.world_size > 1 and has_batchnorm(model):
+    elif cfg.dist.sync_bn and env.world_size > 1 and has_batchnorm(model) and is_main():
         log(
             "note: SyncBatchNorm needs CUDA GPUs, so it is skipped here; "
             "each process normalises with its own batch statistics"
         )
-    if cfg.model.activation_checkpointing:
+    if cfg.train.activation_checkpointing:
         checkpoint_activations(model, blocks)
     model.to(device, memory_format=memory_format(cfg))
-    return model, maybe_compile(spread(model, cfg, env, device, blocks), cfg.train.compile)
+    return model, maybe_compile(wrap_ddp_or_fsdp(model, cfg, env, device, blocks), cfg.train.compile)
 
 
 def memory_format(cfg: Config) -> torch.memory_format:
@@ -55,7 +55,7 @@ def maybe_compile(model: nn.Module, enabled: bool) -> nn.Module:
     return torch.compile(model) if enabled else model
 
 
-def spread(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device, blocks) -> nn.Module:
+def wrap_ddp_or_fsdp(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device, blocks) -> nn.Module:
     """The module to train: DDP, FSDP (in place) or, for one process, the model itself."""
     if env.world_size == 1:
         return model
@@ -71,6 +71,7 @@ def spread(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device, bl
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: no copy
         static_graph=cfg.dist.static_graph,
+        find_unused_parameters=cfg.dist.find_unused_parameters,
         bucket_cap_mb=cfg.dist.bucket_cap_mb,
     )
 

@@ -1,7 +1,6 @@
 """What the run tells people: console lines, progress, metrics.jsonl and TensorBoard.
 
-Only rank 0 reports. Other ranks get no-op stand-ins with the same methods, so the
-training loop has one shape and no rank checks of its own.
+Rank 0 reports; the caller decides, with `if is_main():` at the call site.
 """
 
 import functools
@@ -14,43 +13,38 @@ from pathlib import Path
 import torch.distributed
 from tqdm import tqdm
 
-from config import UsageError
-from distributed import PeerFailed, get_rank, is_main
+from engine.config import UsageError
+from engine.distributed import PeerFailed, get_rank, is_main
 
 
 def log(message: str) -> None:
-    """Print once, from rank 0 (above the progress bar, if one is showing)."""
-    if is_main():
-        tqdm.write(message, file=sys.stdout)
-        sys.stdout.flush()
+    """Print a line (above the progress bar, if one is showing)."""
+    tqdm.write(message, file=sys.stdout)
+    sys.stdout.flush()
 
 
 class Progress:
     """Rank 0's progress for one epoch: a tqdm bar on a terminal, plain lines otherwise,
-    and the step curves in TensorBoard.
+    and the step curves in TensorBoard. The loss is read (a host-device sync) only every
+    `train.log_every_steps` steps."""
 
-    The loss is read (a host-device sync) only every `every` steps.
-    """
-
-    def __init__(
-        self, epoch: int, total_steps: int, done_steps: int, every: int, samples_per_step: int, tensorboard_log
-    ):
-        self.epoch, self.every, self.samples_per_step = epoch, every, samples_per_step
-        self.tensorboard_log = tensorboard_log
+    def __init__(self, run_log: "RunLog", epoch: int, total_steps: int, done_steps: int):
+        self.run_log, self.epoch = run_log, epoch
         self.bar = None
         if sys.stderr.isatty():
             self.bar = tqdm(total=total_steps, initial=done_steps, desc=f"epoch {epoch}", dynamic_ncols=True)
         self.last_time, self.steps_since_report = time.perf_counter(), 0
 
-    def step(self, step: int, loss, lr: float) -> None:
+    def update(self, step: int, loss, lr: float) -> None:
+        """Called after every optimizer step."""
         if self.bar is not None:
             self.bar.update(1)
         self.steps_since_report += 1
-        if step % self.every:
+        if step % self.run_log.every:
             return
         loss = loss.item()  # waits for the device, so the clock below times finished steps
         now = time.perf_counter()
-        samples_per_s = self.steps_since_report * self.samples_per_step / max(now - self.last_time, 1e-9)
+        samples_per_s = self.steps_since_report * self.run_log.samples_per_step / max(now - self.last_time, 1e-9)
         self.last_time, self.steps_since_report = now, 0
         if self.bar is not None:
             self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.3g}", samples_s=f"{samples_per_s:.0f}")
@@ -59,92 +53,68 @@ class Progress:
                 f"epoch {self.epoch} step {step} loss {loss:.4f} lr {lr:.4g} samples/s {samples_per_s:.0f}",
                 flush=True,
             )
-        scalars = {"train/loss": loss, "train/lr": lr, "train/samples_per_s": samples_per_s}
-        self.tensorboard_log.add_scalars(step, scalars)
+        self.run_log.add_scalars(step, {"train/loss": loss, "train/lr": lr, "train/samples_per_s": samples_per_s})
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
 
 
-class NoProgress:
-    def step(self, step, loss, lr) -> None:
-        pass
+class RunLog:
+    """Rank 0's record of the run: one JSON line per epoch in metrics.jsonl (a resumed run
+    appends), the same figures as TensorBoard curves in output_dir/tensorboard (when
+    train.tensorboard is on and the package is installed), and a console line.
 
-    def close(self) -> None:
-        pass
-
-
-def make_progress(epoch: int, total_steps: int, done_steps: int, every: int, samples_per_step: int, tensorboard_log):
-    """`samples_per_step` is the effective batch (batch_size x processes x accum_steps)."""
-    if not is_main():
-        return NoProgress()
-    return Progress(epoch, total_steps, done_steps, every, samples_per_step, tensorboard_log)
-
-
-class MetricsLog:
-    """Appends one JSON object per line to metrics.jsonl (a resumed run continues it)."""
-
-    def __init__(self, path: Path):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.path = path
-
-    def write(self, record: dict) -> None:
-        with self.path.open("a") as f:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-
-
-class NoMetricsLog:
-    def write(self, record: dict) -> None:
-        pass
-
-
-def make_metrics_log(output_dir: str):
-    return MetricsLog(Path(output_dir) / "metrics.jsonl") if is_main() else NoMetricsLog()
-
-
-class TensorBoardLog:
-    """Curves for TensorBoard in <output_dir>/tensorboard, against the optimizer step.
-
-    A resumed run adds an events file to the same folder.
+    `samples_per_step` is the effective batch (batch_size x processes x accum_steps).
     """
 
-    def __init__(self, writer):
-        self.writer = writer
+    def __init__(self, cfg, samples_per_step: int, start_step: int):
+        self.every, self.samples_per_step = cfg.train.log_every_steps, samples_per_step
+        self.metrics_path = Path(cfg.output_dir) / "metrics.jsonl"
+        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        self.writer = tensorboard_writer(cfg, start_step) if cfg.train.tensorboard else None
+
+    def progress(self, epoch: int, total_steps: int, done_steps: int) -> Progress:
+        return Progress(self, epoch, total_steps, done_steps)
 
     def add_scalars(self, step: int, scalars: dict) -> None:
-        for tag, value in scalars.items():
-            self.writer.add_scalar(tag, value, global_step=step)
+        if self.writer is not None:
+            for tag, value in scalars.items():
+                self.writer.add_scalar(tag, value, global_step=step)
 
     def write_epoch(self, metrics: dict) -> None:
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(metrics) + "\n")
         self.add_scalars(metrics["step"], epoch_scalars(metrics))
-        self.writer.flush()  # the epoch's curves show up now, not minutes later
+        if self.writer is not None:
+            self.writer.flush()  # the epoch's curves show up now, not minutes later
+        log(format_epoch(metrics))
 
     def close(self) -> None:
-        self.writer.close()
+        if self.writer is not None:
+            self.writer.close()  # what is still buffered reaches the disk
 
 
-class NoTensorBoardLog:
-    def add_scalars(self, step: int, scalars: dict) -> None:
-        pass
-
-    def write_epoch(self, metrics: dict) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
+def format_epoch(metrics: dict) -> str:
+    """One console line: the train loss, every validation metric, throughput."""
+    shown = [f"train_loss {metrics['train_loss']:.4f}"]
+    shown += [f"{key} {value:.4f}" for key, value in metrics.items() if key.startswith("val_")]
+    return (
+        f"epoch {metrics['epoch']}: {'  '.join(shown)} ({metrics['num_samples']} samples)  "
+        f"{metrics['samples_per_s']:.0f} samples/s"
+    )
 
 
 def epoch_scalars(metrics: dict) -> dict:
-    """TensorBoard tags for one epoch's metrics (as in metrics.jsonl). Memory: rank 0's
-    figure and the largest over the ranks (`..._max`)."""
-    scalars = {
-        "train/epoch_loss": metrics["train_loss"],
-        "val/loss": metrics["val_loss"],
-        "val/acc": metrics["val_acc"],
-        "throughput/samples_per_s": metrics["samples_per_s"],
-    }
+    """TensorBoard tags for one epoch's metrics (as in metrics.jsonl): train_x as
+    train/epoch_x, val_x as val/x. Memory: rank 0's figure and the largest over the
+    ranks (`..._max`)."""
+    scalars = {"throughput/samples_per_s": metrics["samples_per_s"]}
+    for key, value in metrics.items():
+        if key.startswith("train_") and key not in ("train_time_s",):
+            scalars[f"train/epoch_{key.removeprefix('train_')}"] = value
+        elif key.startswith("val_"):
+            scalars[f"val/{key.removeprefix('val_')}"] = value
     per_rank = metrics["memory"]
     for key in ("rss_peak_mib", "cuda_reserved_peak_mib"):
         if key in per_rank[0]:
@@ -153,11 +123,8 @@ def epoch_scalars(metrics: dict) -> dict:
     return scalars
 
 
-def make_tensorboard_log(output_dir: str, enabled: bool, start_step: int):
-    """Rank 0's TensorBoard log when `enabled` and the package is installed; otherwise a
-    stand-in that writes nothing (metrics.jsonl has the same epoch figures)."""
-    if not (enabled and is_main()):
-        return NoTensorBoardLog()
+def tensorboard_writer(cfg, start_step: int):
+    """A SummaryWriter, or None (with one warning) when the package is missing."""
     try:
         from torch.utils.tensorboard import SummaryWriter  # here: optional, and slow to import
     except ImportError as error:
@@ -165,10 +132,10 @@ def make_tensorboard_log(output_dir: str, enabled: bool, start_step: int):
             f"warning: train.tensorboard is on but tensorboard cannot be imported ({last_line(error)}); logging to "
             'metrics.jsonl only. Install it with pip install -e ".[tensorboard]" or set train.tensorboard=false'
         )
-        return NoTensorBoardLog()
+        return None
     # After a restart from an older checkpoint, TensorBoard hides the earlier run's points
     # beyond `start_step`: they were trained again.
-    return TensorBoardLog(SummaryWriter(str(Path(output_dir) / "tensorboard"), purge_step=start_step + 1))
+    return SummaryWriter(str(Path(cfg.output_dir) / "tensorboard"), purge_step=start_step + 1)
 
 
 def report_errors(main):

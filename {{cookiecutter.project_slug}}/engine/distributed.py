@@ -8,6 +8,7 @@ One `init_distributed_mode` covers:
 The state lives in torch.distributed itself; this module keeps none of its own.
 """
 
+import contextlib
 import datetime
 import os
 import re
@@ -16,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from config import ConfigError, DistConfig, UsageError
+from engine.config import ConfigError, DistConfig, UsageError
 
 
 @dataclass(frozen=True)
@@ -193,53 +194,50 @@ def all_reduce_max(value: int, device: torch.device) -> int:
     return int(tensor.item())
 
 
-def run_on_main(work, device: torch.device) -> None:
-    """Run `work()` on global rank 0 only (e.g. a file write); if it fails, every rank
-    raises, so none is left waiting in its next collective. Every rank must call this."""
-    run_where(is_main(), work, device)
-
-
-def run_everywhere(work, device: torch.device):
-    """`work()` on every rank at once; if it fails anywhere, one line says why and every
-    rank stops. Every rank must call this."""
-    return run_where(True, work, device)
-
-
-def run_on_node_leaders(work, env: DistEnv, device: torch.device) -> None:
-    """`work()` (e.g. downloading or unpacking data) on global rank 0 first, then on local
-    rank 0 of every other node (for node-local storage), while the other ranks wait:
-    never two writers at once on shared storage. Every rank must call this."""
-    run_where(env.rank == 0, work, device)
-    run_where(env.local_rank == 0 and env.rank != 0, work, device)
-
-
 class PeerFailed(UsageError):
     """Another process failed and reports why; this one just stops."""
 
 
-def run_where(here: bool, work, device: torch.device, result=None):
-    """`work()` on the ranks where `here` is True; then all ranks learn whether any
-    failed (one all-reduce, which also makes the others wait for it). The lowest failing
-    rank raises its own error; every other rank raises PeerFailed, so one line is shown."""
+@contextlib.contextmanager
+def stop_all_if_any_fails(device: torch.device):
+    """Run the body on every rank, then agree: if it failed on any rank, every rank
+    stops, and only the lowest failing rank says why (one line, not one per process).
+
+    Every rank must enter it. Wrap work that can fail on some ranks only (rank 0 writing
+    a file, reading data) so no rank is left waiting in its next collective:
+        with stop_all_if_any_fails(device):
+            if is_main():
+                save_config(cfg, path)
+    """
     error = None
-    if here:
-        try:
-            result = work()
-        except Exception as caught:  # noqa: BLE001  every rank must reach the all-reduce
-            error = caught
+    try:
+        yield
+    except Exception as caught:  # noqa: BLE001  every rank must reach the all-reduce below
+        error = caught
     rank, world = get_rank(), get_world_size()
     reporter = torch.tensor([rank if error is not None else world], device=device)
     if world > 1:
         dist.all_reduce(reporter, op=dist.ReduceOp.MIN)
-    if int(reporter.item()) == world:
-        return result
-    if error is None or int(reporter.item()) != rank:
-        raise PeerFailed(f"rank {int(reporter.item())} failed")
+    failed_rank = int(reporter.item())
+    if failed_rank == world:
+        return
+    if error is None or failed_rank != rank:
+        raise PeerFailed(f"rank {failed_rank} failed")
     if isinstance(error, OSError):
         where = f" {error.filename!r}" if error.filename else ""
         error = UsageError(f"cannot access{where}: {error.strerror or error}")
     error.local = True  # raised on this rank only: report it here, even if not rank 0
     raise error
+
+
+def prepare_on_node_leaders(prepare, cfg, env: DistEnv, device: torch.device) -> None:
+    """`prepare(cfg)` (downloading or unpacking data) on global rank 0 first, then on local
+    rank 0 of every other node (for node-local storage), while the other ranks wait:
+    never two writers at once on shared storage. Every rank must call this."""
+    for leaders_now in (env.rank == 0, env.local_rank == 0 and env.rank != 0):
+        with stop_all_if_any_fails(device):
+            if leaders_now:
+                prepare(cfg)
 
 
 def broadcast_buffers(model: torch.nn.Module) -> None:
@@ -258,3 +256,21 @@ def all_gather_objects(obj) -> list:
     gathered = [None] * get_world_size()
     dist.all_gather_object(gathered, obj)
     return gathered
+
+
+def gather_objects_on_main(obj) -> list | None:
+    """Every rank's `obj` in rank order on rank 0, None elsewhere; every rank must call this."""
+    if get_world_size() == 1:
+        return [obj]
+    gathered = [None] * get_world_size() if is_main() else None
+    dist.gather_object(obj, gathered, dst=0)
+    return gathered
+
+
+def broadcast_from_main(obj):
+    """Rank 0's `obj` on every rank; every rank must call this."""
+    if get_world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]

@@ -3,7 +3,7 @@
 Layout under <output_dir>/checkpoints/:
   step-00001234.pt   one file per save, the newest `checkpoint.keep_last` kept
   last.pt            the newest complete checkpoint (what `resume=auto` continues from)
-  best.pt            the one with the best validation accuracy so far
+  best.pt            the epoch with the best checkpoint.best_metric so far
 
 A checkpoint holds plain data only (tensors, numbers, strings, lists, dicts), so it loads
 with `torch.load(weights_only=True)`, which refuses to run code hidden in a pickle.
@@ -18,10 +18,10 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from config import UsageError, to_dict
-from distributed import all_gather_objects, run_everywhere, run_on_main
-from logs import log
-from seeding import capture_rng_state, restore_rng_state
+from engine.config import Config, UsageError, to_dict
+from engine.distributed import DistEnv, all_gather_objects, is_main, stop_all_if_any_fails
+from engine.logs import log
+from engine.seeding import capture_rng_state, restore_rng_state
 
 STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
 PREFIXES = ("module.", "_orig_mod.")  # added by DDP and torch.compile wrappers
@@ -156,22 +156,112 @@ def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) ->
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
 
 
-def save_train_state(state, cfg, world_size: int, device, is_best: bool = False) -> None:
-    """Checkpoint the run. Every rank must call this (it gathers every rank's RNG state,
-    and all ranks stop together if rank 0 cannot write)."""
-    rng_states = all_gather_objects(capture_rng_state())
-    payload = {**state.state_dict(), "config": to_dict(cfg), "world_size": world_size, "rng": rng_states}
-    directory = checkpoint_dir(cfg.output_dir)
-    try:
-        run_on_main(lambda: save_checkpoint(payload, directory, state.step, cfg.checkpoint.keep_last, is_best), device)
-    except UsageError as error:
-        raise CheckpointError(
-            f"checkpoint not saved ({error}); free disk space or choose a writable output_dir "
-            "(earlier checkpoints are intact)"
-        ) from None
+class Checkpointer:
+    """The run's checkpoints: when to write them, which is best, and where to resume.
+
+    Every rank must call its methods: they gather every rank's RNG state, and all ranks
+    stop together if rank 0 cannot write.
+    """
+
+    def __init__(self, cfg: Config, env: DistEnv, device: torch.device):
+        self.cfg, self.env, self.device = cfg, env, device
+        self.directory = checkpoint_dir(cfg.output_dir)
+
+    def save_if_due(self, state) -> None:
+        """After every optimizer step: a step checkpoint every checkpoint.every_steps steps."""
+        every = self.cfg.checkpoint.every_steps
+        if every and state.step % every == 0:
+            self.save(state)
+
+    def save(self, state, val_metrics: dict | None = None) -> None:
+        """Write a checkpoint now; with an epoch's `val_metrics`, also best.pt if that
+        epoch has the best checkpoint.best_metric so far."""
+        is_best = val_metrics is not None and self.is_new_best(state, val_metrics)
+        rng_states = all_gather_objects(capture_rng_state())
+        payload = {**state.state_dict(), "config": to_dict(self.cfg), "world_size": self.env.world_size}
+        payload["rng"] = rng_states
+        keep_last = self.cfg.checkpoint.keep_last
+        try:
+            with stop_all_if_any_fails(self.device):
+                if is_main():
+                    save_checkpoint(payload, self.directory, state.step, keep_last, is_best)
+        except UsageError as error:
+            raise CheckpointError(
+                f"checkpoint not saved ({error}); free disk space or choose a writable output_dir "
+                "(earlier checkpoints are intact)"
+            ) from None
+
+    def is_new_best(self, state, val_metrics: dict) -> bool:
+        """Whether `val_metrics` beat the best so far (then recorded in `state`). Every
+        rank decides alike: the metrics are the same on every rank."""
+        name, mode = self.cfg.checkpoint.best_metric, self.cfg.checkpoint.best_mode
+        if name not in val_metrics:
+            known = ", ".join(key for key in val_metrics if key.startswith("val_"))
+            raise CheckpointError(
+                f"checkpoint.best_metric is {name!r}, which this task does not report (it reports {known}); "
+                "set checkpoint.best_metric to one of them"
+            )
+        value, best = val_metrics[name], state.best_metric_value
+        if best is not None and not (value > best if mode == "max" else value < best):
+            return False
+        state.best_metric_value = value
+        return True
+
+    def resume(self, state) -> bool:
+        """Continue the run from its checkpoint, or initialise weights for fine-tuning.
+        Returns True when the RNG state was restored (mid-epoch resume, same layout)."""
+        with stop_all_if_any_fails(self.device):
+            found = load_resume_checkpoint(self.cfg)
+        seen = all_gather_objects(None if found is None else (str(found[0]), found[1]["step"]))
+        if any(view != seen[0] for view in seen):
+            raise CheckpointError(
+                f"processes see different checkpoints in {self.cfg.output_dir!r} ({seen[0]} vs {seen[-1]}); "
+                "put output_dir on a file system that every node shares"
+            )
+        if found is None:
+            init_from = self.cfg.checkpoint.init_from
+            if init_from:
+                load_model_weights(state.model, load_checkpoint(init_from)["model"], init_from)
+                if is_main():
+                    log(f"initialised model weights from {init_from} (fine-tuning)")
+            return False
+        path, ckpt = found
+        refuse_changed_settings(path, ckpt["config"], self.cfg)
+        load_model_weights(state.model, ckpt["model"], str(path))
+        state.load_state_dict(ckpt)
+        if is_main():
+            log(f"resumed from {path}: epoch {state.epoch}, step {state.step}")
+        return self.continue_data_position(state, ckpt)
+
+    def continue_data_position(self, state, ckpt: dict) -> bool:
+        """Restore this rank's RNG state when the layout is the same; otherwise continue at
+        the same sample of the epoch's permutation, in whole steps. True if restored."""
+        saved, train = ckpt["config"]["train"], self.cfg.train
+        if is_main() and any(saved[k] != getattr(train, k) for k in ("lr", "momentum", "weight_decay")):
+            log("note: the optimizer continues with the checkpoint's lr, momentum and weight_decay")
+        if state.batches_done == 0:
+            return False
+        world_size = self.env.world_size
+        if (ckpt["world_size"], saved["batch_size"], saved["accum_steps"]) == (
+            world_size,
+            train.batch_size,
+            train.accum_steps,
+        ):
+            restore_rng_state(ckpt["rng"][self.env.rank])
+            return True
+        samples_done = state.batches_done * saved["batch_size"] * ckpt["world_size"]
+        effective_batch = train.batch_size * world_size * train.accum_steps
+        state.batches_done = samples_done // effective_batch * train.accum_steps
+        if is_main():
+            log(
+                f"note: the checkpoint was written by {ckpt['world_size']} processes x batch {saved['batch_size']} x "
+                f"{saved['accum_steps']} accum_steps and this run has {world_size} x {train.batch_size} x "
+                f"{train.accum_steps}; model and optimizer continue exactly, the data order from here differs"
+            )
+        return False
 
 
-def load_resume_checkpoint(cfg) -> tuple[Path, dict] | None:
+def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
     """The checkpoint to continue from (checkpoint.resume: auto, none or a path).
 
     auto takes last.pt in output_dir; if it is unreadable (a truncated copy, a full disk),
@@ -189,7 +279,8 @@ def load_resume_checkpoint(cfg) -> tuple[Path, dict] | None:
         try:
             return path, load_checkpoint(path)
         except CheckpointError as error:
-            log(f"warning: {error}; trying an older checkpoint")
+            if is_main():
+                log(f"warning: {error}; trying an older checkpoint")
     if candidates:
         raise CheckpointError(
             f"no readable checkpoint in {str(directory)!r}; move it away to start over, or set checkpoint.resume=PATH"
@@ -197,76 +288,26 @@ def load_resume_checkpoint(cfg) -> tuple[Path, dict] | None:
     return None
 
 
-# Settings that change what a checkpoint's weights mean; resuming across them is refused.
-IDENTITY_KEYS = ("seed", "model", "data")
-# Within those sections, settings that change how, not what, is trained.
-FREE_KEYS = {"data": ("root", "download", "num_workers", "augment"), "model": ("activation_checkpointing", "sync_bn")}
-
-
-def config_changes(saved: dict, current: dict) -> list[str]:
-    """'section.key: old -> new' for each identity setting that differs."""
-    changes = []
-    for key in IDENTITY_KEYS:
-        old, new = saved.get(key), current.get(key)
-        if isinstance(new, dict):
-            for sub in sorted(set(old or {}) | set(new)):
-                if sub not in FREE_KEYS.get(key, ()) and (old or {}).get(sub) != new.get(sub):
-                    changes.append(f"{key}.{sub}: {(old or {}).get(sub)!r} -> {new.get(sub)!r}")
-        elif old != new:
-            changes.append(f"{key}: {old!r} -> {new!r}")
+def config_changes(saved: dict, cfg: Config) -> list[str]:
+    """'section.key: old -> new' for each setting that changes what the weights mean: the
+    seed and the task's data and model sections, but for the keys each section lists in
+    `may_change_on_resume` (e.g. where the files are, how they are augmented)."""
+    current = to_dict(cfg)
+    changes = [f"seed: {saved.get('seed')!r} -> {cfg.seed!r}"] if saved.get("seed") != cfg.seed else []
+    for key in ("data", "model"):
+        old, new = saved.get(key) or {}, current[key]
+        free = getattr(getattr(cfg, key), "may_change_on_resume", ())
+        for sub in sorted(set(old) | set(new)):
+            if sub not in free and old.get(sub) != new.get(sub):
+                changes.append(f"{key}.{sub}: {old.get(sub)!r} -> {new.get(sub)!r}")
     return changes
 
 
-def resume_train_state(state, cfg, rank: int, world_size: int, device) -> bool:
-    """Continue a run from its checkpoint, or initialise weights for fine-tuning. Every
-    rank must call this (they check that they all see the same checkpoint).
-
-    Returns True when the RNG state was restored (mid-epoch resume, same layout).
-    """
-    found = run_everywhere(lambda: load_resume_checkpoint(cfg), device)
-    seen = all_gather_objects(None if found is None else (str(found[0]), found[1]["step"]))
-    if any(view != seen[0] for view in seen):
-        raise CheckpointError(
-            f"processes see different checkpoints in {cfg.output_dir!r} ({seen[0]} vs {seen[-1]}); "
-            "put output_dir on a file system that every node shares"
-        )
-    if found is None:
-        if cfg.checkpoint.init_from:
-            ckpt = load_checkpoint(cfg.checkpoint.init_from)
-            load_model_weights(state.model, ckpt["model"], cfg.checkpoint.init_from)
-            log(f"initialised model weights from {cfg.checkpoint.init_from} (fine-tuning)")
-        return False
-    path, ckpt = found
-    changes = config_changes(ckpt["config"], to_dict(cfg))
+def refuse_changed_settings(path: Path, saved: dict, cfg: Config) -> None:
+    changes = config_changes(saved, cfg)
     if changes:
         raise CheckpointError(
             f"{path} was trained with other settings ({changes[0]}"
             f"{f' and {len(changes) - 1} more' if len(changes) > 1 else ''}); use a new output_dir, "
             f"or checkpoint.resume=none checkpoint.init_from={path} to start from its weights only"
         )
-    load_model_weights(state.model, ckpt["model"], str(path))
-    state.load_state_dict(ckpt)
-    log(f"resumed from {path}: epoch {state.epoch}, step {state.step}")
-    saved = ckpt["config"]["train"]
-    if any(saved[k] != getattr(cfg.train, k) for k in ("lr", "momentum", "weight_decay")):
-        log("note: the optimizer continues with the checkpoint's lr, momentum and weight_decay")
-    if state.batches_done == 0:
-        return False
-    same_layout = (ckpt["world_size"], saved["batch_size"], saved["accum_steps"]) == (
-        world_size,
-        cfg.train.batch_size,
-        cfg.train.accum_steps,
-    )
-    if same_layout:
-        restore_rng_state(ckpt["rng"][rank])
-        return True
-    # Continue at the same sample position of the epoch's permutation, in whole steps.
-    samples_done = state.batches_done * saved["batch_size"] * ckpt["world_size"]
-    effective_batch = cfg.train.batch_size * world_size * cfg.train.accum_steps
-    state.batches_done = samples_done // effective_batch * cfg.train.accum_steps
-    log(
-        f"note: the checkpoint was written by {ckpt['world_size']} processes x batch {saved['batch_size']} x "
-        f"{saved['accum_steps']} accum_steps and this run has {world_size} x {cfg.train.batch_size} x "
-        f"{cfg.train.accum_steps}; model and optimizer continue exactly, the data order from here differs"
-    )
-    return False

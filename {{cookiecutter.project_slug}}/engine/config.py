@@ -1,6 +1,12 @@
-"""The run configuration: one typed schema with defaults, checks and loading.
+"""The run configuration: one typed schema, each default written once, beside its meaning.
 
-Values come from `config.yaml`, then from `section.key=value` overrides on the command
+The schema is made of sections, each a dataclass. `data` (DataConfig in data.py) and
+`model` (ModelConfig in model.py) belong to the task; `train`, `checkpoint` and `dist`
+below belong to the machinery. config.yaml holds only what a project sets differently
+from these defaults; `python train.py --print-config` shows every key with its value and
+meaning, and each run saves that in output_dir/config.yaml.
+
+Values come from the YAML file, then from `section.key=value` overrides on the command
 line. A key the schema does not know, a value of the wrong type or an invalid value is a
 `ConfigError` that names the key; the entry points turn it into one line and exit code 2.
 """
@@ -8,9 +14,12 @@ line. A key the schema does not know, a value of the wrong type or an invalid va
 import copy
 import dataclasses
 import difflib
+import inspect
+import re
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import yaml
 
@@ -24,58 +33,27 @@ class ConfigError(UsageError):
 
 
 @dataclass
-class DataConfig:
-    name: str = "synthetic"  # synthetic | imagefolder | cifar10
-    root: str = "data"  # imagefolder: <root>/train/<class>/*, <root>/val/<class>/*
-    download: bool = False  # cifar10 only: fetch it into root if missing
-    train_size: int = 4096  # synthetic only
-    val_size: int = 1000  # synthetic only
-    num_classes: int = 10  # synthetic only; others read it from the data
-    image_size: int = 32
-    augment: bool = True  # random crop and flip on training images
-    num_workers: int = 2  # DataLoader worker processes per rank
-
-    def __post_init__(self):
-        check_choice("data.name", self.name, ("synthetic", "imagefolder", "cifar10"))
-        for key in ("train_size", "val_size", "num_classes", "image_size"):
-            check_positive(f"data.{key}", getattr(self, key))
-        check_positive("data.num_workers", self.num_workers, allow_zero=True)
-
-
-@dataclass
-class ModelConfig:
-    name: str = "resnet18"  # resnet18 | mlp (model.py)
-    hidden_dim: int = 256  # mlp only
-    dropout: float = 0.0  # mlp only
-    sync_bn: bool = True  # SyncBatchNorm across GPUs (CUDA with >1 process only)
-    activation_checkpointing: bool = False  # recompute block activations in backward: less memory
-
-    def __post_init__(self):
-        check_positive("model.hidden_dim", self.hidden_dim)
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
-
-
-@dataclass
 class TrainConfig:
     epochs: int = 10
-    batch_size: int = 64  # per process; effective = batch_size * world size * accum_steps
+    batch_size: int = 64  # per process; effective = batch_size x processes x accum_steps
     accum_steps: int = 1  # gradient accumulation: micro-batches per optimizer step
     optimizer: str = "sgd"  # sgd | adamw
     lr: float = 0.1
     momentum: float = 0.9  # sgd only
-    weight_decay: float = 5e-4
+    weight_decay: float = 5e-4  # not applied to biases and norm weights (1-D parameters)
     schedule: str = "cosine"  # cosine | step | constant, advanced per optimizer step
     warmup_steps: int = 0  # linear warmup, in optimizer steps
     step_every_epochs: int = 30  # step schedule: multiply lr by step_gamma this often
-    step_gamma: float = 0.1
+    step_gamma: float = 0.1  # step schedule only
     grad_clip: float = 0.0  # max gradient norm; 0 = off
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 needs CUDA; uses a GradScaler)
     strategy: str = "ddp"  # ddp (replica per process) | fsdp (sharded: for big models)
-    compile: bool = False  # torch.compile the model (slow first steps, faster later)
-    channels_last: bool = False  # NHWC memory layout: faster convolutions on recent GPUs
     fsdp_cpu_offload: bool = False  # fsdp only: keep sharded parameters in CPU memory
+    activation_checkpointing: bool = False  # recompute model.BLOCKS' activations in backward: less memory
+    compile: bool = False  # torch.compile the model (slow first steps, faster later)
+    channels_last: bool = False  # NHWC layout for 4-D batch tensors: faster convolutions on recent GPUs
     eval_batch_size: int = 256  # per process
+    num_workers: int = 2  # DataLoader worker processes per process
     log_every_steps: int = 10
     tensorboard: bool = True  # curves in output_dir/tensorboard (rank 0; needs the tensorboard package)
     stop_at_step: int = 0  # stop with a checkpoint at this optimizer step; 0 = run all epochs
@@ -86,7 +64,7 @@ class TrainConfig:
             check_positive(f"train.{key}", getattr(self, key))
         for key in ("lr", "step_every_epochs", "step_gamma"):
             check_positive(f"train.{key}", getattr(self, key))
-        for key in ("momentum", "weight_decay", "warmup_steps", "grad_clip", "stop_at_step"):
+        for key in ("momentum", "weight_decay", "warmup_steps", "grad_clip", "stop_at_step", "num_workers"):
             check_positive(f"train.{key}", getattr(self, key), allow_zero=True)
         check_choice("train.optimizer", self.optimizer, ("sgd", "adamw"))
         check_choice("train.schedule", self.schedule, ("cosine", "step", "constant"))
@@ -100,18 +78,23 @@ class CheckpointConfig:
     init_from: str = ""  # fine-tuning: load model weights only from this checkpoint
     every_steps: int = 0  # also checkpoint every N optimizer steps; 0 = at epoch ends only
     keep_last: int = 3  # step checkpoints kept besides last.pt and best.pt
+    best_metric: str = "val_loss"  # best.pt is the epoch with the best value of this metric
+    best_mode: str = "min"  # min | max: whether a lower or a higher best_metric is better
 
     def __post_init__(self):
         if not self.resume:
             raise ConfigError("checkpoint.resume must be auto, none or a path, got ''")
         check_positive("checkpoint.every_steps", self.every_steps, allow_zero=True)
         check_positive("checkpoint.keep_last", self.keep_last)
+        check_choice("checkpoint.best_mode", self.best_mode, ("min", "max"))
 
 
 @dataclass
 class DistConfig:
     backend: str = "auto"  # auto (nccl on CUDA, else gloo) | nccl | gloo
     timeout_minutes: float = 30.0  # a collective waiting longer than this fails the run
+    sync_bn: bool = True  # BatchNorm -> SyncBatchNorm (CUDA with more than one process only)
+    find_unused_parameters: bool = False  # DDP: allow parameters that get no gradient in a step
     static_graph: bool = False  # DDP: the graph never changes between steps (enables optimisations)
     bucket_cap_mb: float = 25.0  # DDP: gradient all-reduce bucket size
 
@@ -123,10 +106,10 @@ class DistConfig:
 
 @dataclass
 class Config:
+    data: Any  # the task's DataConfig (data.py)
+    model: Any  # the task's ModelConfig (model.py)
     seed: int = 0
     output_dir: str = "runs/default"  # checkpoints, metrics.jsonl, the resolved config
-    data: DataConfig = field(default_factory=DataConfig)
-    model: ModelConfig = field(default_factory=ModelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -151,8 +134,11 @@ def check_positive(key: str, value: float, allow_zero: bool = False) -> None:
         raise ConfigError(f"{key} must be {bound}, got {value}")
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] = (), base: dict | None = None) -> "Config":
-    """The config from a YAML file with `a.b=value` overrides applied.
+def load_config(
+    path: str | Path | None, overrides: list[str] = (), *, data: type, model: type, base: dict | None = None
+) -> Config:
+    """The config from a YAML file with `a.b=value` overrides applied; `data` and `model`
+    are the task's section classes (DataConfig, ModelConfig).
 
     Without a file, start from `base` (e.g. a checkpoint's stored config) or the defaults.
     """
@@ -162,7 +148,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] = (), base:
         if not sep or not key:
             raise ConfigError(f"override {override!r} is not of the form section.key=value")
         set_dotted(values, key.strip(), raw)
-    return build(Config, values, prefix="")
+    return build(Config, values, prefix="", sections={"data": data, "model": model})
 
 
 def read_yaml(path: Path) -> dict:
@@ -202,22 +188,27 @@ class CliValue(str):
     """A value typed on the command line: converted from text to the field's type."""
 
 
-def build(cls: type, values: dict, prefix: str):
+def section_types(cls: type, sections: dict[str, type]) -> dict[str, type]:
+    """Each field's type; the task's sections (typed Any above) as given."""
+    return typing.get_type_hints(cls) | (sections if cls is Config else {})
+
+
+def build(cls: type, values: dict, prefix: str, sections: dict[str, type]):
     """An instance of the dataclass `cls` from nested dicts, checking every key and type."""
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.')} must be a section (key: value lines)")
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
+    types = section_types(cls, sections)
+    for name in values:
+        if name not in types:
+            key = f"{prefix}{name}"
+            raise ConfigError(f"unknown config key {key!r}{suggestion(key, sections)}")
     kwargs = {}
-    for name, value in values.items():
+    for name, kind in types.items():
         key = f"{prefix}{name}"
-        if name not in known:
-            raise ConfigError(f"unknown config key {key!r}{suggestion(key)}")
-        kind = hints[name]
-        if dataclasses.is_dataclass(kind):
-            kwargs[name] = build(kind, value, prefix=f"{key}.")
-        else:
-            kwargs[name] = convert(key, value, kind)
+        if dataclasses.is_dataclass(kind):  # a section: build it even when the file omits it
+            kwargs[name] = build(kind, values.get(name, {}), f"{key}.", sections)
+        elif name in values:
+            kwargs[name] = convert(key, values[name], kind)
     return cls(**kwargs)
 
 
@@ -246,22 +237,22 @@ def convert_text(key: str, text: str, kind: type):
         raise ConfigError(f"{key} must be {kind.__name__}, got {text!r}") from None
 
 
-def all_keys(cls: type = Config, prefix: str = "") -> list[str]:
+def all_keys(cls: type, sections: dict[str, type], prefix: str = "") -> list[str]:
     keys = []
-    for f in dataclasses.fields(cls):
-        kind = typing.get_type_hints(cls)[f.name]
+    for name, kind in section_types(cls, sections).items():
         if dataclasses.is_dataclass(kind):
-            keys += all_keys(kind, f"{prefix}{f.name}.")
+            keys += all_keys(kind, sections, f"{prefix}{name}.")
         else:
-            keys.append(f"{prefix}{f.name}")
+            keys.append(f"{prefix}{name}")
     return keys
 
 
-def suggestion(key: str) -> str:
-    close = difflib.get_close_matches(key, all_keys(), n=1, cutoff=0.6)
+def suggestion(key: str, sections: dict[str, type]) -> str:
+    known = all_keys(Config, sections)
+    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     if not close:
         leaf = key.rsplit(".", 1)[-1]
-        close = [k for k in all_keys() if k.rsplit(".", 1)[-1] == leaf]
+        close = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -269,6 +260,44 @@ def to_dict(cfg: Config) -> dict:
     return dataclasses.asdict(cfg)
 
 
+def field_comments(cls: type) -> dict[str, str]:
+    """The comment written beside each field of the dataclass `cls` in its source."""
+    try:
+        source = inspect.getsource(cls)
+    except (OSError, TypeError):
+        return {}
+    found = re.findall(r"^ +(\w+): [^#\n]*#\s*(.+)$", source, flags=re.M)
+    return dict(found)
+
+
+def render(section, indent: str = "") -> list[str]:
+    """YAML lines for a config section, each value with its comment from the schema and,
+    where it differs, the schema's default. Plain keys first, then sub-sections."""
+    comments = field_comments(type(section))
+    lines, sections = [], []
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            sections += ["", f"{indent}{f.name}:", *render(value, indent + "  ")]
+            continue
+        notes = [comments.get(f.name, "")]
+        if f.default is not dataclasses.MISSING and value != f.default:
+            notes.append(f"(default {yaml_scalar(f.default)})")
+        line = f"{indent}{f.name}: {yaml_scalar(value)}"
+        note = " ".join(n for n in notes if n)
+        lines.append(f"{line:<40} # {note}" if note else line)
+    return lines + sections
+
+
+def yaml_scalar(value) -> str:
+    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+
+
+def format_config(cfg: Config) -> str:
+    """The whole config as commented YAML: every key, its value, what it means."""
+    return "\n".join(render(cfg)).lstrip("\n") + "\n"
+
+
 def save_config(cfg: Config, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(yaml.safe_dump(to_dict(cfg), sort_keys=False))
+    path.write_text(format_config(cfg))

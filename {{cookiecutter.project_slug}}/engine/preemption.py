@@ -15,16 +15,18 @@ import time
 import torch
 import torch.distributed as dist
 
-from distributed import get_world_size, is_main
+from engine.distributed import get_world_size, is_main
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 CHECK_EVERY_SECONDS = 0.5  # how often ranks compare notes: a few hundred us each time
 
 
 class StopRequest:
-    """Notes stop signals; `agreed(step)` says, identically on every rank, whether to stop."""
+    """When to stop before the last epoch ends: on a stop signal to any rank, or at
+    train.stop_at_step. `requested(step)` says it identically on every rank."""
 
-    def __init__(self, timeout_minutes: float):
+    def __init__(self, timeout_minutes: float, stop_at_step: int = 0):
+        self.stop_at_step = stop_at_step  # 0: none
         self.signal_name = ""
         # Notes travel over a separate CPU (gloo) group, so comparing them never waits
         # for the GPU.
@@ -43,6 +45,16 @@ class StopRequest:
         if signum == signal.SIGINT and self.signal_name:
             raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
         self.signal_name = signal.Signals(signum).name
+
+    def requested(self, step: int) -> bool:
+        """Whether to stop after optimizer step `step`. Every rank must call this after
+        every step."""
+        return self.agreed(step) or step == self.stop_at_step
+
+    def reason(self, step: int) -> str:
+        if step == self.stop_at_step and not self.signal_name:
+            return "at train.stop_at_step"
+        return f"by {self.signal_name or 'a signal to another process'}"
 
     def agreed(self, step: int) -> bool:
         """Whether any rank got a stop signal. Every rank must call this after every step.

@@ -12,8 +12,8 @@ import warnings
 
 import torch
 
-from distributed import all_gather_objects
-from logs import log
+from engine.distributed import all_gather_objects, is_main
+from engine.logs import log
 
 IMBALANCE = 1.25  # warn when a rank holds more than this times the median
 
@@ -93,8 +93,9 @@ def report_memory(device: torch.device, when: str, count_tensors: bool = True) -
     """Gather every rank's memory; rank 0 logs a table and any imbalance. Every rank
     must call this. Returns the per-rank figures (for metrics.jsonl)."""
     per_rank = gather_memory(device, count_tensors)
-    log(f"memory per rank, MiB ({when}):\n{memory_table(per_rank)}")
-    warning = imbalance_warning(per_rank)
-    if warning:
-        log(warning)
+    if is_main():
+        log(f"memory per rank, MiB ({when}):\n{memory_table(per_rank)}")
+        warning = imbalance_warning(per_rank)
+        if warning:
+            log(warning)
     return per_rank

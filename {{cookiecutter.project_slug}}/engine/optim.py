@@ -10,7 +10,7 @@ import math
 import torch
 import torch.nn as nn
 
-from config import Config, ConfigError, TrainConfig
+from engine.config import Config, ConfigError, TrainConfig
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 

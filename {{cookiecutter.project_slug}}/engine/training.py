@@ -1,0 +1,203 @@
+"""The parts of a training step, for any task: the state a checkpoint holds, forward and
+backward of one micro-batch (the task's `training_step` gives the loss), the optimizer
+step, and the epoch's figures."""
+
+import contextlib
+import itertools
+import re
+import statistics
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.fsdp import FSDPModule
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from engine.config import Config, UsageError
+from engine.distributed import all_reduce_sum, get_world_size
+from engine.optim import autocast
+
+FULL = StateDictOptions(full_state_dict=True)
+FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+
+@dataclass
+class TrainState:
+    """Everything a checkpoint must hold to continue the run exactly (and the device)."""
+
+    model: nn.Module  # unwrapped: what is saved and evaluated
+    train_model: nn.Module  # what is trained: the DDP wrapper, or the model itself
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    scaler: torch.amp.GradScaler
+    device: torch.device  # where the model lives (not saved)
+    epoch: int = 0  # epoch in progress
+    batches_done: int = 0  # micro-batches of `epoch` already trained
+    step: int = 0  # optimizer steps taken in the whole run
+    best_metric_value: float | None = None  # of checkpoint.best_metric, over the epochs so far
+
+    def state_dict(self) -> dict:
+        """Plain full tensors on the CPU, the same for DDP and FSDP (so either resumes the
+        other). Every rank must call this: under FSDP it gathers the shards."""
+        return {
+            "model": get_model_state_dict(self.model, options=FULL_ON_CPU),
+            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=FULL_ON_CPU),
+            "scheduler": self.scheduler.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "epoch": self.epoch,
+            "batches_done": self.batches_done,
+            "step": self.step,
+            "best_metric_value": self.best_metric_value,
+        }
+
+    def load_state_dict(self, state: dict) -> None:
+        """Optimizer, schedule and position; the model weights are loaded separately."""
+        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=FULL)
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.scaler.load_state_dict(state["scaler"])
+        self.epoch = state["epoch"]
+        self.batches_done = state["batches_done"]
+        self.step = state["step"]
+        self.best_metric_value = state["best_metric_value"]
+
+
+def forward_backward(state: TrainState, batch, training_step, cfg: Config) -> dict[str, torch.Tensor]:
+    """Forward and backward of one micro-batch; returns its losses, detached: "loss" (what
+    backward ran on) and, when `training_step` returns named losses, each of them.
+
+    Gradients of `accum_steps` micro-batches are summed locally (DDP's no_sync skips the
+    all-reduce) and averaged across ranks on the last one, so one optimizer step sees the
+    mean loss over batch_size x world size x accum_steps samples.
+    """
+    accum = cfg.train.accum_steps
+    state.batches_done += 1
+    with gradient_sync(state.train_model, enabled=is_last_micro_batch(state, cfg)):
+        with autocast(cfg.train.precision, state.device):
+            losses = named_losses(call_training_step(training_step, state.train_model, batch))
+        # Mean over the accumulated micro-batches (no extra op when there is one).
+        state.scaler.scale(losses["loss"] / accum if accum > 1 else losses["loss"]).backward()
+    return {name: loss.detach() for name, loss in losses.items()}
+
+
+def call_training_step(training_step, model: nn.Module, batch):
+    try:
+        return training_step(model, batch)
+    except RuntimeError as error:
+        if "Expected to have finished reduction in the prior iteration" not in str(error):
+            raise
+        raise UsageError(unused_parameters_message(model, str(error))) from None
+
+
+def unused_parameters_message(model: nn.Module, ddp_message: str) -> str:
+    """One line for DDP's failure when a parameter got no gradient in the previous step."""
+    trained = [name for name, p in model.named_parameters() if p.requires_grad]
+    listed = re.search(r"did not receive grad for rank \d+: ([\d ]+)", ddp_message)
+    indices = [int(i) for i in listed.group(1).split()] if listed else []
+    names = [trained[i].removeprefix("module.") for i in indices if i < len(trained)]
+    which = f" ({', '.join(names)})" if names else ""
+    return (
+        f"a model parameter{which} got no gradient in a training step, and DDP needs every parameter in every "
+        "step's loss; set dist.find_unused_parameters=true (for branches unused in some steps), or set "
+        "requires_grad=False on parameters that are never used"
+    )
+
+
+def named_losses(output) -> dict[str, torch.Tensor]:
+    """training_step's output as {"loss": total, name: loss, ...}."""
+    if isinstance(output, torch.Tensor):
+        return {"loss": output}
+    if isinstance(output, dict) and output and all(isinstance(v, torch.Tensor) for v in output.values()):
+        if "loss" in output:
+            raise UsageError('training_step returned a loss named "loss": that name is their sum; rename it')
+        return {"loss": sum(output.values()), **output}
+    raise UsageError(
+        f"training_step must return the loss (a tensor) or a dict of named loss tensors, not {type(output).__name__}"
+    )
+
+
+def gradient_sync(model: nn.Module, enabled: bool):
+    """Gradients are averaged across ranks in backward; skip that on micro-batches that
+    only accumulate (DDP's no_sync, FSDP's requires_gradient_sync)."""
+    if enabled:
+        return contextlib.nullcontext()
+    model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
+    if isinstance(model, DDP):
+        return model.no_sync()
+    if isinstance(model, FSDPModule):
+        return fsdp_no_sync(model)
+    return contextlib.nullcontext()
+
+
+@contextlib.contextmanager
+def fsdp_no_sync(model: FSDPModule):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
+
+
+def is_last_micro_batch(state: TrainState, cfg: Config) -> bool:
+    """Whether the micro-batch just trained completes an optimizer step."""
+    return state.batches_done % cfg.train.accum_steps == 0
+
+
+def optimizer_step(state: TrainState, grad_clip: float) -> None:
+    if grad_clip > 0:
+        state.scaler.unscale_(state.optimizer)  # clip true gradients, not scaled ones
+        torch.nn.utils.clip_grad_norm_(state.model.parameters(), grad_clip)
+    state.scaler.step(state.optimizer)
+    state.scaler.update()
+    state.optimizer.zero_grad(set_to_none=True)
+    state.scheduler.step()
+    state.step += 1
+
+
+class EpochStats:
+    """The epoch's losses, summed on the device (no host sync per step), and its clock."""
+
+    def __init__(self, device: torch.device):
+        self.loss_sums = {"loss": torch.zeros((), device=device)}  # and named losses, once seen
+        self.micro_batches = 0
+        self.start = time.perf_counter()
+        self.step_ends = [self.start]  # host clock at each optimizer step: no device sync needed
+
+    def add(self, losses: dict[str, torch.Tensor]) -> None:
+        for name, loss in losses.items():
+            if name in self.loss_sums:
+                self.loss_sums[name] += loss
+            else:
+                self.loss_sums[name] = loss.float().clone()
+        self.micro_batches += 1
+
+    def step_done(self) -> None:
+        self.step_ends.append(time.perf_counter())
+
+    def summary(self, batch_size: int) -> dict:
+        """train_<name>: the mean of each loss over every rank's samples (every micro-batch
+        has batch_size samples), and the speed. Every rank must call this."""
+        elapsed = time.perf_counter() - self.start
+        names = list(self.loss_sums)
+        sums = [self.loss_sums[name].double() for name in names]
+        count = torch.tensor(float(self.micro_batches), dtype=torch.float64, device=sums[0].device)
+        totals = all_reduce_sum(torch.stack([*sums, count])).tolist()
+        micro_batches = max(totals[-1], 1.0)
+        step_times = [b - a for a, b in itertools.pairwise(self.step_ends)]
+        return {
+            **{f"train_{name}": total / micro_batches for name, total in zip(names, totals, strict=False)},
+            "samples_per_s": totals[-1] * batch_size / max(elapsed, 1e-9),
+            "step_time_median_s": statistics.median(step_times) if step_times else 0.0,
+            "train_time_s": elapsed,
+        }
+
+
+def samples_per_step(cfg: Config) -> int:
+    """The effective batch: batch_size x processes x accum_steps."""
+    return cfg.train.batch_size * get_world_size() * cfg.train.accum_steps

@@ -1,9 +1,12 @@
 """The baseline: a minimal hand-written DDP training loop, as in PyTorch's tutorials.
 
-Same model (build_model) and data (build_datasets) as the generated project, same
-sampler order, optimizer and batch; no evaluation, checkpoints or logging. Run inside a
-baked project folder:  torchrun --nproc_per_node=N handwritten.py '<overrides as JSON>' OUT
-Prints one JSON line per rank: step times, throughput and peak RSS.
+Same model (build_model), data and augmentation (build_datasets) as the generated
+project, and exactly its recipe: the optimizer with its two parameter groups (weight
+decay on weights only), momentum, the per-step learning-rate schedule, the batch and the
+sampler order. No evaluation, checkpoints, logging, per-sample seeding or allocator
+settings. Run inside a baked project folder:
+    torchrun --nproc_per_node=N handwritten.py '<overrides as JSON>' OUT
+Prints one JSON line per rank: step times, throughput, page faults and peak RSS.
 """
 
 import json
@@ -21,6 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, ".")
 from data import DataConfig, build_datasets  # noqa: E402  (the baked project's own modules)
 from engine.config import load_config  # noqa: E402
+from engine.optim import build_optimizer, build_scheduler  # noqa: E402
 from model import ModelConfig, build_model  # noqa: E402
 
 
@@ -37,8 +41,10 @@ def main():
     torch.manual_seed(cfg.seed)
     model = build_model(cfg)
     trained = DDP(model) if world > 1 else model
-    optimizer = torch.optim.SGD(model.parameters(), lr=cfg.train.lr, momentum=cfg.train.momentum)
+    optimizer = build_optimizer(model, cfg.train)
+    scheduler = build_scheduler(optimizer, cfg.train, len(loader))
     step_times, train_time = [], 0.0
+    faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for epoch in range(cfg.train.epochs):
         sampler.set_epoch(epoch)
         epoch_start = last = time.perf_counter()
@@ -47,6 +53,7 @@ def main():
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             optimizer.step()
+            scheduler.step()
             now = time.perf_counter()
             step_times.append(now - last)
             last = now
@@ -61,6 +68,8 @@ def main():
                 "step_time_median_s": statistics.median(step_times),
                 "samples_per_s": samples / train_time,
                 "train_time_s": train_time,
+                "loop_faults_per_step": (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults_before)
+                / len(step_times),
                 "in_process_s": time.perf_counter() - start,
                 "rss_peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             }

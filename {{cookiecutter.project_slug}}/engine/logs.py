@@ -111,7 +111,7 @@ def epoch_scalars(metrics: dict) -> dict:
     ranks (`..._max`)."""
     scalars = {"throughput/samples_per_s": metrics["samples_per_s"]}
     for key, value in metrics.items():
-        if key.startswith("train_") and key not in ("train_time_s",):
+        if key.startswith("train_") and key != "train_time_s":
             scalars[f"train/epoch_{key.removeprefix('train_')}"] = value
         elif key.startswith("val_"):
             scalars[f"val/{key.removeprefix('val_')}"] = value

@@ -65,7 +65,7 @@ class TrainState:
         self.epoch = state["epoch"]
         self.batches_done = state["batches_done"]
         self.step = state["step"]
-        self.best_metric_value = state["best_metric_value"]
+        self.best_metric_value = state.get("best_metric_value")  # absent in older checkpoints
 
 
 def forward_backward(state: TrainState, batch, training_step, cfg: Config) -> dict[str, torch.Tensor]:
@@ -191,7 +191,7 @@ class EpochStats:
         micro_batches = max(totals[-1], 1.0)
         step_times = [b - a for a, b in itertools.pairwise(self.step_ends)]
         return {
-            **{f"train_{name}": total / micro_batches for name, total in zip(names, totals, strict=False)},
+            **{f"train_{name}": total / micro_batches for name, total in zip(names, totals[:-1], strict=True)},
             "samples_per_s": totals[-1] * batch_size / max(elapsed, 1e-9),
             "step_time_median_s": statistics.median(step_times) if step_times else 0.0,
             "train_time_s": elapsed,

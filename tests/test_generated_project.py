@@ -13,7 +13,7 @@ def test_generated_project_passes_its_own_ci_steps(tmp_path):
     ]
     for command in commands:
         result = subprocess.run(
-            command, shell=True, cwd=project, env=TOOLS_ENV, capture_output=True, text=True, timeout=1200
+            command, shell=True, cwd=project, env=TOOLS_ENV, capture_output=True, text=True, timeout=2400
         )
         assert result.returncode == 0, f"{command}:\n{result.stdout[-6000:]}{result.stderr[-3000:]}"
     assert " passed" in result.stdout.splitlines()[-1]

@@ -31,7 +31,7 @@ from engine.distributed import (
     stop_all_if_any_fails,
 )
 from engine.evaluation import evaluate
-from engine.loader import build_train_loader, build_val_loader
+from engine.loader import build_train_loader, build_val_loader, steps_per_epoch
 from engine.logs import RunLog, log, report_errors
 from engine.memory import freeze_setup_objects, report_memory
 from engine.optim import build_grad_scaler, build_optimizer, build_scheduler, check_precision
@@ -125,12 +125,11 @@ def load_train_objs(cfg, env, device):
     collate_fn = getattr(data, "collate_fn", None)  # data.py may define one
     train_loader = build_train_loader(train_set, cfg, env, device, collate_fn)
     val_loader = build_val_loader(val_set, cfg, env, device, collate_fn)
-    steps_per_epoch = train_loader.sampler.num_batches // cfg.train.accum_steps
 
     seed_everything(cfg.seed)  # the same initial weights on every rank
     model, train_model = wrap_model(build_model(cfg), cfg, env, device, BLOCKS)  # SyncBatchNorm, device, DDP
     optimizer = build_optimizer(model, cfg.train)
-    scheduler = build_scheduler(optimizer, cfg.train, steps_per_epoch)
+    scheduler = build_scheduler(optimizer, cfg.train, steps_per_epoch(train_loader, cfg))
     scaler = build_grad_scaler(cfg.train.precision, device)
     return train_loader, val_loader, TrainState(model, train_model, optimizer, scheduler, scaler, device)
 
@@ -145,7 +144,7 @@ def start_run_log(cfg, env, state: TrainState, train_loader, val_loader) -> RunL
             log(
                 f"training on {env.world_size} process(es), {state.device.type}, {cfg.train.strategy}; "
                 f"{len(train_loader.dataset)} train / {len(val_loader.dataset)} val samples; effective batch "
-                f"{samples_per_step(cfg)}; {train_loader.sampler.num_batches // cfg.train.accum_steps} steps/epoch"
+                f"{samples_per_step(cfg)}; {steps_per_epoch(train_loader, cfg)} steps/epoch"
             )
             run_log = RunLog(cfg, samples_per_step(cfg), start_step=state.step)
     return run_log
@@ -155,9 +154,9 @@ def train_one_epoch(state: TrainState, loader, cfg, stop: StopRequest, checkpoin
     """Train from `state.batches_done` to the end of `state.epoch`. Returns the epoch's
     train metrics, and whether the epoch finished (False: a stop was requested)."""
     loader.sampler.set_epoch(state.epoch, start_batch=state.batches_done)
-    accum = cfg.train.accum_steps
     if is_main():
-        progress = run_log.progress(state.epoch, loader.sampler.num_batches // accum, state.batches_done // accum)
+        done_steps = state.batches_done // cfg.train.accum_steps
+        progress = run_log.progress(state.epoch, steps_per_epoch(loader, cfg), done_steps)
     stats = EpochStats(state.device)
     state.train_model.train()
     try:

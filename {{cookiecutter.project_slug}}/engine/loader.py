@@ -104,6 +104,11 @@ def micro_batches_per_epoch(dataset_size: int, cfg: Config, env: DistEnv) -> int
     return steps * cfg.train.accum_steps
 
 
+def steps_per_epoch(train_loader: DataLoader, cfg: Config) -> int:
+    """Optimizer steps per epoch (the train loader draws whole steps only)."""
+    return train_loader.sampler.num_batches // cfg.train.accum_steps
+
+
 def build_train_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device, collate_fn) -> DataLoader:
     """`collate_fn` makes a batch from a list of samples (None: torch's default_collate)."""
     sampler = TrainSampler(

@@ -110,9 +110,10 @@ def train_transform(image_size: int, augment: bool) -> v2.Transform:
 class SyntheticImages(Dataset):
     """A learnable image task made from the seed alone: no download, same on every rank.
 
-    Each class is a fixed smooth random pattern; a sample is its class pattern with a
-    random brightness and strong pixel noise, so a model must average over the image to
-    classify it. Stored as one uint8 tensor (not a list of objects).
+    Each class is a fixed smooth random pattern, mirror-symmetric like most real classes
+    (so flip augmentation keeps the label); a sample is its class pattern with a random
+    brightness and pixel noise, so a model must average over the image to classify it.
+    Stored as one uint8 tensor (not a list of objects).
     """
 
     def __init__(self, size, num_classes, image_size, seed, split, transform=None):
@@ -120,7 +121,7 @@ class SyntheticImages(Dataset):
         g = torch.Generator().manual_seed(seed * 2 + (split == "val") + 1)
         self.labels = torch.randint(num_classes, (size,), generator=g)
         brightness = 0.6 + 0.8 * torch.rand(size, 1, 1, 1, generator=g)
-        noise = 1.2 * torch.randn(size, 3, image_size, image_size, generator=g)
+        noise = 0.6 * torch.randn(size, 3, image_size, image_size, generator=g)
         images = (patterns[self.labels] - 0.5) * brightness + 0.5 + noise
         self.images = (images.clamp(0, 1) * 255).round().to(torch.uint8)
         self.transform = transform
@@ -137,7 +138,8 @@ class SyntheticImages(Dataset):
 
 
 def smooth_patterns(num_classes: int, image_size: int, generator: torch.Generator) -> torch.Tensor:
-    coarse = torch.rand(num_classes, 3, 4, 4, generator=generator)
+    half = torch.rand(num_classes, 3, 4, 2, generator=generator)
+    coarse = torch.cat([half, half.flip(-1)], dim=-1)  # mirror-symmetric: a flipped image keeps its class
     return F.interpolate(coarse, size=(image_size, image_size), mode="bilinear", align_corners=False)
 
 

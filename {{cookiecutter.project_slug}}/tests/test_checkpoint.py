@@ -23,7 +23,7 @@ def make_state(seed=0):
     torch.manual_seed(seed)
     model = MLP(12, 8, 3)
     cfg = project_config(None, ["train.optimizer=adamw"])
-    optimizer = build_optimizer(model, cfg.train)
+    optimizer = build_optimizer(model, cfg.train, cfg.train.lr)
     model(torch.randn(4, 12)).sum().backward()
     optimizer.step()  # creates optimizer state tensors
     scheduler = build_scheduler(optimizer, cfg.train, steps_per_epoch=10)
@@ -70,7 +70,7 @@ def test_wrapper_prefixes_are_stripped():
 def test_mismatched_model_names_key_and_shapes():
     small, big = MLP(12, 8, 3), MLP(12, 16, 3)
     with pytest.raises(
-        CheckpointError, match=r"'net.1.linear.weight' has shape \(16, 12\) in the checkpoint but \(8, 12\)"
+        CheckpointError, match=r"'net.2.linear.weight' has shape \(16, 12\) in the checkpoint but \(8, 12\)"
     ):
         load_model_weights(small, big.state_dict(), "x.pt")
 

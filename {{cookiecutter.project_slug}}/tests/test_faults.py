@@ -336,7 +336,7 @@ def test_checkpoint_of_another_model_names_key_and_shapes(tmp_path):
     run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=2"])
     args = [*FAST, "model.hidden_dim=64", f"checkpoint.init_from={out / 'checkpoints' / 'last.pt'}"]
     line = one_error_line(run_script("train.py", [*args, f"output_dir={tmp_path / 'ft'}"], check=False))
-    assert "'net.1.linear.weight' has shape (32, 192) in the checkpoint but (64, 192) in the model" in line
+    assert "'net.2.linear.weight' has shape (32, 192) in the checkpoint but (64, 192) in the model" in line
 
 
 def test_unwritable_output_dir_stops_every_rank_at_start(tmp_path):

@@ -24,7 +24,7 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, ".")
 from data import DataConfig, build_datasets  # noqa: E402  (the baked project's own modules)
 from engine.config import load_config  # noqa: E402
-from engine.optim import build_optimizer, build_scheduler  # noqa: E402
+from engine.optim import build_optimizer, build_scheduler, scaled_lr  # noqa: E402
 from model import ModelConfig, build_model  # noqa: E402
 
 
@@ -41,7 +41,7 @@ def main():
     torch.manual_seed(cfg.seed)
     model = build_model(cfg)
     trained = DDP(model) if world > 1 else model
-    optimizer = build_optimizer(model, cfg.train)
+    optimizer = build_optimizer(model, cfg.train, scaled_lr(cfg.train, world))
     scheduler = build_scheduler(optimizer, cfg.train, len(loader))
     step_times, train_time = [], 0.0
     faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -52,6 +52,8 @@ def main():
             loss = F.cross_entropy(trained(images), labels)
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
+            if cfg.train.grad_clip > 0:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.train.grad_clip)
             optimizer.step()
             scheduler.step()
             now = time.perf_counter()

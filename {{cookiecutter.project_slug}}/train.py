@@ -34,7 +34,14 @@ from engine.evaluation import evaluate
 from engine.loader import build_train_loader, build_val_loader, steps_per_epoch
 from engine.logs import RunLog, log, report_errors
 from engine.memory import freeze_setup_objects, report_memory
-from engine.optim import build_grad_scaler, build_optimizer, build_scheduler, check_precision
+from engine.optim import (
+    build_grad_scaler,
+    build_optimizer,
+    build_scheduler,
+    check_precision,
+    describe_lr,
+    scaled_lr,
+)
 from engine.parallel import memory_format, wrap_model
 from engine.preemption import StopRequest
 from engine.seeding import derive_seed, seed_everything, set_determinism
@@ -128,7 +135,7 @@ def load_train_objs(cfg, env, device):
 
     seed_everything(cfg.seed)  # the same initial weights on every rank
     model, train_model = wrap_model(build_model(cfg), cfg, env, device, BLOCKS)  # SyncBatchNorm, device, DDP
-    optimizer = build_optimizer(model, cfg.train)
+    optimizer = build_optimizer(model, cfg.train, scaled_lr(cfg.train, env.world_size))  # for the effective batch
     scheduler = build_scheduler(optimizer, cfg.train, steps_per_epoch(train_loader, cfg))
     scaler = build_grad_scaler(cfg.train.precision, device)
     return train_loader, val_loader, TrainState(model, train_model, optimizer, scheduler, scaler, device)
@@ -146,6 +153,7 @@ def start_run_log(cfg, env, state: TrainState, train_loader, val_loader) -> RunL
                 f"{len(train_loader.dataset)} train / {len(val_loader.dataset)} val samples; effective batch "
                 f"{samples_per_step(cfg)}; {steps_per_epoch(train_loader, cfg)} steps/epoch"
             )
+            log(describe_lr(cfg.train, env.world_size, steps_per_epoch(train_loader, cfg)))
             run_log = RunLog(cfg, samples_per_step(cfg), start_step=state.step)
     return run_log
 

@@ -9,6 +9,7 @@ A checkpoint holds plain data only (tensors, numbers, strings, lists, dicts), so
 with `torch.load(weights_only=True)`, which refuses to run code hidden in a pickle.
 """
 
+import math
 import os
 import re
 import shutil
@@ -21,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 from engine.config import Config, UsageError, to_dict
 from engine.distributed import DistEnv, all_gather_objects, is_main, stop_all_if_any_fails
 from engine.logs import log
+from engine.optim import scaled_lr
 from engine.seeding import capture_rng_state, restore_rng_state
 
 STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
@@ -237,8 +239,10 @@ class Checkpointer:
         """Restore this rank's RNG state when the layout is the same; otherwise continue at
         the same sample of the epoch's permutation, in whole steps. True if restored."""
         saved, train = ckpt["config"]["train"], self.cfg.train
-        if is_main() and any(saved[k] != getattr(train, k) for k in ("lr", "momentum", "weight_decay")):
-            log("note: the optimizer continues with the checkpoint's lr, momentum and weight_decay")
+        saved_lr = state.scheduler.base_lrs[0]
+        changed = not math.isclose(saved_lr, scaled_lr(train, self.env.world_size))
+        if is_main() and (changed or any(saved[k] != getattr(train, k) for k in ("momentum", "weight_decay"))):
+            log(f"note: the optimizer continues with the checkpoint's lr ({saved_lr:.4g}), momentum and weight_decay")
         if state.batches_done == 0:
             return False
         world_size = self.env.world_size

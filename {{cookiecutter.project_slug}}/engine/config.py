@@ -38,14 +38,16 @@ class TrainConfig:
     batch_size: int = 64  # per process; effective = batch_size x processes x accum_steps
     accum_steps: int = 1  # gradient accumulation: micro-batches per optimizer step
     optimizer: str = "sgd"  # sgd | adamw
-    lr: float = 0.1
+    lr: float = 0.2  # for an effective batch of reference_batch; scaled to the run's (scale_lr)
+    scale_lr: bool = True  # scale lr with the effective batch (sgd: linear, adamw: square root); false: as is
+    reference_batch: int = 128  # the effective batch that train.lr is meant for
     momentum: float = 0.9  # sgd only
     weight_decay: float = 5e-4  # not applied to biases and norm weights (1-D parameters)
     schedule: str = "cosine"  # cosine | step | constant, advanced per optimizer step
-    warmup_steps: int = 0  # linear warmup, in optimizer steps
+    warmup_epochs: float = 1.0  # lr rises linearly from near 0 over this many epochs: a steady start
     step_every_epochs: int = 30  # step schedule: multiply lr by step_gamma this often
     step_gamma: float = 0.1  # step schedule only
-    grad_clip: float = 0.0  # max gradient norm; 0 = off
+    grad_clip: float = 5.0  # max gradient norm: a guard against rare spikes, not a limit on normal steps; 0 = off
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 needs CUDA; uses a GradScaler)
     strategy: str = "ddp"  # ddp (replica per process) | fsdp (sharded: for big models)
     fsdp_cpu_offload: bool = False  # fsdp only: keep sharded parameters in CPU memory
@@ -60,11 +62,11 @@ class TrainConfig:
     deterministic: bool = False  # torch.use_deterministic_algorithms
 
     def __post_init__(self):
-        for key in ("epochs", "batch_size", "accum_steps", "eval_batch_size", "log_every_steps"):
+        for key in ("epochs", "batch_size", "accum_steps", "eval_batch_size", "log_every_steps", "reference_batch"):
             check_positive(f"train.{key}", getattr(self, key))
         for key in ("lr", "step_every_epochs", "step_gamma"):
             check_positive(f"train.{key}", getattr(self, key))
-        for key in ("momentum", "weight_decay", "warmup_steps", "grad_clip", "stop_at_step", "num_workers"):
+        for key in ("momentum", "weight_decay", "warmup_epochs", "grad_clip", "stop_at_step", "num_workers"):
             check_positive(f"train.{key}", getattr(self, key), allow_zero=True)
         check_choice("train.optimizer", self.optimizer, ("sgd", "adamw"))
         check_choice("train.schedule", self.schedule, ("cosine", "step", "constant"))
@@ -142,13 +144,24 @@ def load_config(
 
     Without a file, start from `base` (e.g. a checkpoint's stored config) or the defaults.
     """
-    values = read_yaml(Path(path)) if path is not None else copy.deepcopy(base or {})
+    values = read_yaml(Path(path)) if path is not None else without_retired_keys(copy.deepcopy(base or {}))
     for override in overrides:
         key, sep, raw = override.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {override!r} is not of the form section.key=value")
         set_dotted(values, key.strip(), raw)
     return build(Config, values, prefix="", sections={"data": data, "model": model})
+
+
+def without_retired_keys(values: dict) -> dict:
+    """A checkpoint's stored config without the machinery keys that this version of the
+    engine no longer has (e.g. train.warmup_steps, now train.warmup_epochs)."""
+    for name, kind in typing.get_type_hints(Config).items():
+        section = values.get(name)
+        if dataclasses.is_dataclass(kind) and isinstance(section, dict):
+            known = {f.name for f in dataclasses.fields(kind)}
+            values[name] = {key: value for key, value in section.items() if key in known}
+    return values
 
 
 def read_yaml(path: Path) -> dict:

@@ -1,7 +1,16 @@
 """Optimizer, learning-rate schedule and mixed precision, all chosen by config.
 
-The schedule advances once per optimizer step (not per micro-batch, not per epoch), so
-it follows the same curve whatever the world size or accumulation.
+train.lr is the rate for an effective batch of train.reference_batch samples. A run
+with another effective batch (batch_size x processes x accum_steps) scales it: linearly
+for SGD (Goyal et al. 2017, "Accurate, Large Minibatch SGD"), by the square root for
+AdamW, whose steps are normalised per coordinate (Malladi et al. 2022, "On the SDEs and
+Scaling Rules for Adaptive Gradient Algorithms"). A warmup over train.warmup_epochs
+starts every run gently, which large scaled rates need. So one config trains alike on 1
+or 64 processes.
+
+The schedule advances once per optimizer step (not per micro-batch, not per epoch), and
+warmup and decay are set in epochs, so the curve over the epochs is the same whatever
+the world size or accumulation.
 """
 
 import contextlib
@@ -13,9 +22,36 @@ import torch.nn as nn
 from engine.config import Config, ConfigError, TrainConfig
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Below this many steps per epoch, the effective batch is a large share of the data: the
+# scaled lr has too few updates to work with (seen here: 2 steps per epoch diverge).
+FEW_STEPS = 8
 
 
-def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
+def scaled_lr(cfg: TrainConfig, world_size: int) -> float:
+    """The run's base learning rate: train.lr scaled from reference_batch to the effective batch."""
+    if not cfg.scale_lr:
+        return cfg.lr
+    ratio = cfg.batch_size * world_size * cfg.accum_steps / cfg.reference_batch
+    return cfg.lr * (ratio if cfg.optimizer == "sgd" else math.sqrt(ratio))
+
+
+def describe_lr(cfg: TrainConfig, world_size: int, steps_per_epoch: int) -> str:
+    """How the run's lr came about, for its opening log line."""
+    lr = f"lr {scaled_lr(cfg, world_size):.4g}"
+    if cfg.scale_lr:
+        batch = f"{cfg.batch_size}x{world_size}x{cfg.accum_steps}"
+        rule = "linear" if cfg.optimizer == "sgd" else "square-root"
+        lr += (
+            f" = train.lr {cfg.lr:g} scaled from batch {cfg.reference_batch} to {batch} "
+            f"({rule} rule; train.scale_lr=false takes train.lr as is)"
+        )
+    line = f"{lr}, warmup {warmup_steps(cfg, steps_per_epoch)} steps, {cfg.schedule} schedule"
+    if steps_per_epoch < FEW_STEPS:
+        line += f"; only {steps_per_epoch} steps per epoch: a smaller effective batch or more epochs train better"
+    return line
+
+
+def build_optimizer(model: nn.Module, cfg: TrainConfig, lr: float) -> torch.optim.Optimizer:
     # No weight decay on biases and norm weights (1-D tensors): decaying them only hurts.
     decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
@@ -24,20 +60,25 @@ def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer
         {"params": no_decay, "weight_decay": 0.0},
     ]
     if cfg.optimizer == "sgd":
-        return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
-    return torch.optim.AdamW(groups, lr=cfg.lr)
+        return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
+    return torch.optim.AdamW(groups, lr=lr)
+
+
+def warmup_steps(cfg: TrainConfig, steps_per_epoch: int) -> int:
+    return round(cfg.warmup_epochs * steps_per_epoch)
 
 
 def lr_factor(step: int, cfg: TrainConfig, steps_per_epoch: int) -> float:
     """Multiplier of the base lr at optimizer step `step` (0-based)."""
-    if step < cfg.warmup_steps:
-        return (step + 1) / cfg.warmup_steps
+    warmup = warmup_steps(cfg, steps_per_epoch)
+    if step < warmup:
+        return (step + 1) / warmup
     if cfg.schedule == "constant":
         return 1.0
     if cfg.schedule == "step":
         return cfg.step_gamma ** (step // (cfg.step_every_epochs * steps_per_epoch))
-    total = max(1, cfg.epochs * steps_per_epoch - cfg.warmup_steps)
-    progress = min(1.0, (step - cfg.warmup_steps) / total)
+    total = max(1, cfg.epochs * steps_per_epoch - warmup)
+    progress = min(1.0, (step - warmup) / total)
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 

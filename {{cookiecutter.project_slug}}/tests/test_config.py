@@ -94,7 +94,7 @@ def test_print_config_shows_every_key_with_its_meaning():
     ).stdout
     reparsed = project_config(None, base=yaml.safe_load(shown))
     assert reparsed == project_config(CONFIG_YAML, ["train.lr=0.3"])
-    assert "lr: 0.3" in shown and "(default 0.1)" in shown
+    assert "lr: 0.3" in shown and "(default 0.2)" in shown
     assert "  best_metric: val_acc" in shown and "(default val_loss)" in shown
     assert "  name: synthetic                        # synthetic (made from the seed) | imagefolder | cifar10" in shown
 

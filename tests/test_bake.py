@@ -109,3 +109,13 @@ def test_the_machinery_knows_no_task(baked):
         text = path.read_text()
         for word in ("cross_entropy", "argmax", "val_acc", "num_classes", "labels", "images"):
             assert word not in text, f"{path.name} mentions {word!r}"
+
+
+def test_the_machinerys_tests_train_a_frozen_copy_of_the_example(baked):
+    """tests/reference_task is the example task, byte for byte, under a one-line header:
+    the machinery's tests then hold whatever the user's model.py, data.py and config.yaml
+    become, and test exactly what the user started from."""
+    for name in ("model.py", "data.py", "config.yaml"):
+        header, _, body = (baked / "tests" / "reference_task" / name).read_text().partition("\n")
+        assert header.startswith("# The example task, frozen")
+        assert body == (baked / name).read_text(), name

@@ -1,22 +1,34 @@
-"""Shared helpers: run the project's scripts as real processes (python or torchrun)."""
+"""Shared helpers: run the project's scripts as real processes (python or torchrun).
 
+Two kinds of tests live here. The machinery's tests (most files) train the reference
+task in tests/reference_task, a frozen copy of the example, in a copy of this project
+(`machinery_project()`): they keep passing whatever your model.py, data.py and
+config.yaml become. Your task's tests (test_data.py, test_task.py) run on your files
+(`PROJECT`, `project_config`); adapt them when you change the task.
+"""
+
+import atexit
+import functools
+import importlib.util
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from data import DataConfig
 from engine.config import load_config
-from model import ModelConfig
 
 PROJECT = Path(__file__).resolve().parents[1]
+REFERENCE_TASK = PROJECT / "tests" / "reference_task"
 
-# Small and fast: the mlp model, tiny synthetic data, no worker processes.
+# Small and fast, for the reference task: the mlp model, tiny data, no worker processes.
 FAST = [
     "model.name=mlp",
     "model.hidden_dim=32",
@@ -32,8 +44,57 @@ FAST = [
 
 
 def project_config(path=None, overrides=(), base=None):
-    """This project's config: config.yaml's schema with the example task's sections."""
+    """A config of your task: config.yaml's schema with data.py's and model.py's sections."""
+    from data import DataConfig
+    from model import ModelConfig
+
     return load_config(path, list(overrides), data=DataConfig, model=ModelConfig, base=base)
+
+
+def reference_config(path=None, overrides=(), base=None):
+    """A config of the reference task, which the machinery's tests train."""
+    task = reference_task()
+    return load_config(path, list(overrides), data=task.data.DataConfig, model=task.model.ModelConfig, base=base)
+
+
+@functools.cache
+def reference_task() -> SimpleNamespace:
+    """tests/reference_task's data and model modules, imported under their own names so
+    that they never stand in for your data.py and model.py in this process."""
+    data = import_file("reference_task_data", REFERENCE_TASK / "data.py")
+    yours = sys.modules.get("data")
+    sys.modules["data"] = data  # the reference model.py imports its data module by this name
+    try:
+        model = import_file("reference_task_model", REFERENCE_TASK / "model.py")
+    finally:
+        if yours is None:
+            del sys.modules["data"]
+        else:
+            sys.modules["data"] = yours
+    return SimpleNamespace(data=data, model=model)
+
+
+def import_file(name: str, path: Path):
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # inspect (config comments) and pickling find it by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@functools.cache
+def machinery_project() -> Path:
+    """A copy of this project's machinery with the reference task as its model.py,
+    data.py and config.yaml: where the machinery's tests run train.py and evaluate.py."""
+    root = Path(tempfile.mkdtemp(prefix="machinery-"))
+    atexit.register(shutil.rmtree, root, ignore_errors=True)
+    project = root / PROJECT.name
+    shutil.copytree(PROJECT / "engine", project / "engine", ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("train.py", "evaluate.py"):
+        shutil.copy(PROJECT / name, project / name)
+    for name in ("model.py", "data.py", "config.yaml"):
+        shutil.copy(REFERENCE_TASK / name, project / name)
+    return project
 
 
 def command(script, args, nproc=None, torchrun_args=()):
@@ -52,11 +113,12 @@ def clean_env(extra=None) -> dict:
     return {**env, **(extra or {})}
 
 
-def run_script(script, args, nproc=None, env=None, timeout=240, check=True, torchrun_args=(), cwd=PROJECT):
-    """Run train.py/evaluate.py in a fresh process (under torchrun when `nproc` is set)."""
+def run_script(script, args, nproc=None, env=None, timeout=240, check=True, torchrun_args=(), cwd=None):
+    """Run train.py/evaluate.py in a fresh process (under torchrun when `nproc` is set), in
+    the machinery's copy of the project unless `cwd` says otherwise."""
     result = subprocess.run(
         command(script, args, nproc, torchrun_args),
-        cwd=cwd,
+        cwd=cwd or machinery_project(),
         env=clean_env(env),
         capture_output=True,
         text=True,
@@ -71,7 +133,7 @@ def start_script(script, args, nproc=None, env=None, torchrun_args=()) -> subpro
     """Start a script in the background, its output (stderr merged) readable line by line."""
     return subprocess.Popen(
         command(script, args, nproc, torchrun_args),
-        cwd=PROJECT,
+        cwd=machinery_project(),
         env=clean_env(env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

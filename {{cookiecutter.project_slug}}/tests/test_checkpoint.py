@@ -3,7 +3,7 @@ import pickle
 import pytest
 import torch
 
-from conftest import FAST, project_config, read_metrics, run_script
+from conftest import FAST, read_metrics, reference_config, reference_task, run_script
 from engine.checkpoint import (
     CheckpointError,
     load_checkpoint,
@@ -16,13 +16,14 @@ from engine.config import to_dict
 from engine.optim import build_grad_scaler, build_optimizer, build_scheduler
 from engine.seeding import capture_rng_state
 from engine.training import TrainState
-from model import MLP
+
+MLP = reference_task().model.MLP
 
 
 def make_state(seed=0):
     torch.manual_seed(seed)
     model = MLP(12, 8, 3)
-    cfg = project_config(None, ["train.optimizer=adamw"])
+    cfg = reference_config(None, ["train.optimizer=adamw"])
     optimizer = build_optimizer(model, cfg.train, cfg.train.lr)
     model(torch.randn(4, 12)).sum().backward()
     optimizer.step()  # creates optimizer state tensors

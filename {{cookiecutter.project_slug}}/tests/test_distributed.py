@@ -96,11 +96,11 @@ def test_sync_batchnorm_only_on_several_gpus():
 
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
 def test_wrap_model_on_gpu_for_one_process():
-    from conftest import project_config
+    from conftest import reference_config
     from engine.parallel import wrap_model
     from model import BLOCKS, small_image_resnet18
 
-    cfg = project_config(None, [])
+    cfg = reference_config(None, [])
     model, train_model = wrap_model(small_image_resnet18(10), cfg, DistEnv(), torch.device("cuda", 0), BLOCKS)
     assert train_model is model
     assert next(model.parameters()).device == torch.device("cuda", 0)

@@ -16,11 +16,11 @@ import torch
 
 from conftest import (
     FAST,
-    PROJECT,
     children,
     clean_env,
     finish,
     free_port,
+    machinery_project,
     read_metrics,
     run_script,
     start_script,
@@ -75,7 +75,7 @@ atomic_write(directory, "step-00000002.pt", slow_write)
 
 def test_process_killed_mid_save_leaves_previous_checkpoint(tmp_path):
     saver = subprocess.Popen(
-        [sys.executable, "-c", KILLED_SAVE, str(tmp_path)], cwd=PROJECT, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", KILLED_SAVE, str(tmp_path)], cwd=machinery_project(), stdout=subprocess.PIPE, text=True
     )
     assert saver.stdout.readline().strip() == "writing"
     saver.kill()
@@ -165,7 +165,7 @@ def test_stop_signal_checkpoints_and_resumes_exactly(tmp_path, uninterrupted, ta
     assert 5 <= stopped_at < END and f"stopped at step {stopped_at} by" in stop_line[0]
     assert took < 20, f"stopping took {took:.1f} s; torchrun kills after 30 s"
     # Workers exit cleanly (a signalled torchrun agent prints its own traceback).
-    assert f'File "{PROJECT}' not in output
+    assert f'File "{machinery_project()}' not in output
 
     run_script("train.py", args, nproc=2)
     assert_same_state(uninterrupted, last(out))
@@ -206,7 +206,7 @@ def start_rank(rank, args, port):
     )
     return subprocess.Popen(
         [sys.executable, "train.py", *args],
-        cwd=PROJECT,
+        cwd=machinery_project(),
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -357,7 +357,7 @@ def test_failed_save_is_clear_and_keeps_previous_checkpoint(tmp_path):
     # A file-size limit makes the next checkpoint write fail part-way, as a full disk would.
     result = subprocess.run(
         [sys.executable, "train.py", *FAST, f"output_dir={out}", "train.stop_at_step=6"],
-        cwd=PROJECT,
+        cwd=machinery_project(),
         env=clean_env(),
         capture_output=True,
         text=True,

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest import FAST, PROJECT, clean_env, free_port, run_script
+from conftest import FAST, clean_env, free_port, machinery_project, run_script
 from engine.checkpoint import load_checkpoint
 
 RUN = [*FAST, "train.epochs=1", "checkpoint.resume=none"]
@@ -25,7 +25,7 @@ def torchrun_node(node_rank: int, rendezvous: list[str], args: list, extra_env=N
             *rendezvous,
             *map(str, args),
         ],
-        cwd=PROJECT,
+        cwd=machinery_project(),
         env=clean_env(extra_env),
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -84,7 +84,7 @@ dist.destroy_process_group()
 def test_only_the_node_leader_prepares_while_the_others_wait(tmp_path):
     script, log = tmp_path / "prepare.py", tmp_path / "order.log"
     script.write_text(NODE_LEADERS)
-    run_script(str(script), [log], nproc=3, env={"PYTHONPATH": str(PROJECT)})
+    run_script(str(script), [log], nproc=3, env={"PYTHONPATH": str(machinery_project())})
     events = log.read_text().split("\n")[:-1]
     assert events[:2] == ["start 0 0", "end 0 0"]  # the others waited for it
     assert sorted(events[2:]) == ["after 0", "after 1", "after 2"]  # and did not prepare

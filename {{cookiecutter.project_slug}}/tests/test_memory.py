@@ -6,11 +6,13 @@ import json
 import pytest
 import torch
 
-from conftest import FAST, PROJECT, read_metrics, run_script
+from conftest import FAST, machinery_project, read_metrics, reference_task, run_script
 from engine.checkpoint import load_checkpoint
 from engine.memory import count_live_tensors, freeze_setup_objects, imbalance_warning
 from engine.parallel import checkpoint_activations
-from model import BLOCKS, MLP, small_image_resnet18
+
+reference_model = reference_task().model
+BLOCKS, MLP, small_image_resnet18 = reference_model.BLOCKS, reference_model.MLP, reference_model.small_image_resnet18
 
 IMBALANCED = """
 import torch, torch.distributed as dist
@@ -29,7 +31,7 @@ dist.destroy_process_group()
 def test_imbalance_warning_names_the_heavy_rank(tmp_path):
     script = tmp_path / "imbalanced.py"
     script.write_text(IMBALANCED)
-    result = run_script(str(script), [], nproc=3, env={"PYTHONPATH": str(PROJECT)})
+    result = run_script(str(script), [], nproc=3, env={"PYTHONPATH": str(machinery_project())})
     assert result.stdout.count("memory per rank, MiB (test)") == 1
     assert "warning: rank 1 holds" in result.stdout and "x the median" in result.stdout
 
@@ -62,7 +64,9 @@ def test_every_load_during_resume_is_cpu_mapped_and_weights_only(tmp_path):
     script.write_text(RECORD_LOADS)
     run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=5"], nproc=2)
     args = [*FAST, f"output_dir={out}", "train.stop_at_step=10"]
-    run_script(str(script), args, nproc=2, env={"LOADS_LOG": str(tmp_path / "loads"), "PYTHONPATH": str(PROJECT)})
+    run_script(
+        str(script), args, nproc=2, env={"LOADS_LOG": str(tmp_path / "loads"), "PYTHONPATH": str(machinery_project())}
+    )
     calls = [call for rank in (0, 1) for call in json.loads((tmp_path / f"loads{rank}").read_text())]
     assert len(calls) >= 2
     assert all(call == {"map_location": "cpu", "weights_only": True} for call in calls), calls

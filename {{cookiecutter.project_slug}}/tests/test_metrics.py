@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import PROJECT, run_script
+from conftest import machinery_project, run_script
 from engine.config import UsageError
 from engine.metrics import Gathered, Mean, Sum, compute_metrics, interleave
 
@@ -80,7 +80,7 @@ cleanup_distributed()
 def test_three_processes_agree_on_exact_metrics(tmp_path, size):
     script = tmp_path / "sharded.py"
     script.write_text(SHARDED)
-    run_script(str(script), [size, tmp_path], nproc=3, env={"PYTHONPATH": str(PROJECT)})
+    run_script(str(script), [size, tmp_path], nproc=3, env={"PYTHONPATH": str(machinery_project())})
     results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(3)]
     expected = {"val_mean_index": (size - 1) / 2, "val_order": 1.0, "val_labels": 1.0, "num_samples": size}
     assert results == [expected] * 3  # every rank gets the same figures

@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import PROJECT, read_metrics, run_script
+from conftest import PROJECT, machinery_project, read_metrics, run_script
 from engine.checkpoint import load_checkpoint
 from test_exactness import tensors
 
@@ -27,9 +27,9 @@ RUN = [
 
 @pytest.fixture(scope="module")
 def task_project(tmp_path_factory):
-    """This project with only model.py and data.py replaced."""
+    """The machinery's copy of this project with only model.py and data.py replaced."""
     project = tmp_path_factory.mktemp("task") / "project"
-    shutil.copytree(PROJECT, project, ignore=shutil.ignore_patterns("tests", "runs", "__pycache__", ".*"))
+    shutil.copytree(machinery_project(), project)
     for name in ("model.py", "data.py"):
         shutil.copy(TASK / name, project / name)
     return project

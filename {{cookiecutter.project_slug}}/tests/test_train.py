@@ -14,7 +14,7 @@ import time
 import pytest
 import torch
 
-from conftest import FAST, PROJECT, clean_env, command, read_metrics, run_script
+from conftest import FAST, clean_env, command, machinery_project, read_metrics, run_script
 from engine.checkpoint import load_checkpoint
 
 FAST_SHORT = [*FAST, "train.epochs=1", "data.train_size=512"]
@@ -99,7 +99,12 @@ def run_with_terminal_stderr(args, timeout=240) -> tuple[str, str]:
     controller, terminal = pty.openpty()
     fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # 24 rows, 100 columns
     with subprocess.Popen(
-        command("train.py", args), cwd=PROJECT, env=clean_env(), stdout=subprocess.PIPE, stderr=terminal, text=True
+        command("train.py", args),
+        cwd=machinery_project(),
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=terminal,
+        text=True,
     ) as process:
         os.close(terminal)
         chunks, deadline = [], time.monotonic() + timeout

@@ -1,2 +1,2 @@
 # The example task, frozen: the machinery's tests train it (tests/conftest.py).
-{% include "data.py" %}
+{% include "tasks/classification/data.py" %}

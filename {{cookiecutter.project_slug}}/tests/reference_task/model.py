@@ -1,2 +1,2 @@
 # The example task, frozen: the machinery's tests train it (tests/conftest.py).
-{% include "model.py" %}
+{% include "tasks/classification/model.py" %}

@@ -1,0 +1,220 @@
+"""Datasets: edit this file to train on your own data.
+
+What train.py and evaluate.py use from here:
+- `DataConfig`: the `data:` section of config.yaml, each key with its default.
+- `prepare_data(cfg)`: downloads or unpacks files, if a dataset needs that; it runs on
+  one process per node at a time.
+- `build_datasets(cfg) -> (train_dataset, val_dataset)`: runs on every process at once
+  and only reads. A sample may be anything your `training_step` and `validation_step`
+  (model.py) understand: here (image tensor [C, H, W], integer label).
+- `collate_fn(samples) -> batch` (optional; this example has none): makes one batch from
+  a list of samples, when torch's default (stacking tensors) does not fit, e.g. images of
+  different sizes with per-image targets. Any structure of tensors works as a batch:
+  lists, tuples, dicts, namedtuples, dataclasses.
+
+Rules that keep distributed training correct:
+- `__getitem__` returns fresh tensors, never an object the dataset keeps (a caller that
+  mutates it would change the dataset, and workers would copy it on every read).
+- Keep per-sample metadata in tensors or arrays, not Python lists of objects.
+- Draw randomness from torch (e.g. torchvision transforms): the machinery seeds it per
+  sample, so augmentations repeat exactly on resume and never repeat across ranks or workers.
+- Nothing here is distributed: samplers and loaders are the machinery's.
+"""
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch.utils.data import Dataset
+from torchvision.transforms import v2
+
+from engine.config import ConfigError, UsageError, check_choice, check_positive
+
+MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"  # synthetic (made from the seed) | imagefolder | cifar10
+    root: str = "data"  # imagefolder: <root>/train/<class>/*, <root>/val/<class>/*; cifar10: its folder
+    download: bool = False  # cifar10 only: fetch it into root if missing
+    train_size: int = 4096  # synthetic only
+    val_size: int = 1000  # synthetic only
+    num_classes: int = 10  # synthetic only; imagefolder and cifar10 count their classes
+    image_size: int = 32
+    augment: bool = True  # random crop and horizontal flip on training images
+
+    # Keys a resumed run may change: where the files are, how they are fetched and augmented.
+    may_change_on_resume: ClassVar[tuple[str, ...]] = ("root", "download", "augment")
+
+    def __post_init__(self):
+        check_choice("data.name", self.name, ("synthetic", "imagefolder", "cifar10"))
+        for key in ("train_size", "val_size", "num_classes", "image_size"):
+            check_positive(f"data.{key}", getattr(self, key))
+
+
+class DataError(UsageError):
+    pass
+
+
+def prepare_data(cfg) -> None:
+    """Fetch what build_datasets reads (nothing for synthetic data or an image folder)."""
+    if cfg.data.name == "cifar10" and cfg.data.download:
+        from torchvision.datasets import CIFAR10
+
+        try:  # one archive holds both splits; the small test split checks it is all there
+            CIFAR10(cfg.data.root, train=False, download=True)
+        except OSError as error:  # urllib's URLError is an OSError
+            reason = getattr(error, "reason", None) or error.strerror or error
+            raise DataError(
+                f"cifar10: download into {cfg.data.root!r} failed ({reason}); check the network, or put "
+                "cifar-10-batches-py there yourself and set data.download=false"
+            ) from None
+
+
+def build_datasets(cfg) -> tuple[Dataset, Dataset]:
+    data = cfg.data
+    train_tf = train_transform(data.image_size, data.augment)
+    val_tf = v2.Normalize(MEAN, STD)
+    if data.name == "synthetic":
+        train = SyntheticImages(data.train_size, data.num_classes, data.image_size, cfg.seed, "train", train_tf)
+        val = SyntheticImages(data.val_size, data.num_classes, data.image_size, cfg.seed, "val", val_tf)
+        return train, val
+    if data.name == "imagefolder":
+        return image_folder(Path(data.root), data.image_size, train_tf)
+    if data.name == "cifar10":
+        return cifar10(Path(data.root), train_tf, val_tf)
+    raise ConfigError(f"unknown data.name {data.name!r}: add it to build_datasets in data.py")
+
+
+def count_classes(cfg) -> int:
+    """The number of classes: data.num_classes for synthetic data, else the data's own."""
+    if cfg.data.name == "imagefolder":
+        folder = Path(cfg.data.root) / "train"
+        check_class_folders(folder, "train")
+        return sum(1 for p in folder.iterdir() if p.is_dir())
+    if cfg.data.name == "cifar10":
+        return 10
+    return cfg.data.num_classes
+
+
+def train_transform(image_size: int, augment: bool) -> v2.Transform:
+    steps = [v2.RandomCrop(image_size, padding=image_size // 8), v2.RandomHorizontalFlip()] if augment else []
+    return v2.Compose([*steps, v2.Normalize(MEAN, STD)])
+
+
+class SyntheticImages(Dataset):
+    """A learnable image task made from the seed alone: no download, same on every rank.
+
+    Each class is a fixed smooth random pattern, mirror-symmetric like most real classes
+    (so flip augmentation keeps the label); a sample is its class pattern with a random
+    brightness and pixel noise, so a model must average over the image to classify it.
+    Stored as one uint8 tensor (not a list of objects).
+    """
+
+    def __init__(self, size, num_classes, image_size, seed, split, transform=None):
+        patterns = smooth_patterns(num_classes, image_size, torch.Generator().manual_seed(seed))
+        g = torch.Generator().manual_seed(seed * 2 + (split == "val") + 1)
+        self.labels = torch.randint(num_classes, (size,), generator=g)
+        brightness = 0.6 + 0.8 * torch.rand(size, 1, 1, 1, generator=g)
+        noise = 0.6 * torch.randn(size, 3, image_size, image_size, generator=g)
+        images = (patterns[self.labels] - 0.5) * brightness + 0.5 + noise
+        self.images = (images.clamp(0, 1) * 255).round().to(torch.uint8)
+        self.transform = transform
+        self.classes = [f"class_{i}" for i in range(num_classes)]
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        image = self.images[index].float().div_(255)  # .float() makes a fresh copy
+        if self.transform is not None:
+            image = self.transform(image)
+        return image, int(self.labels[index])
+
+
+def smooth_patterns(num_classes: int, image_size: int, generator: torch.Generator) -> torch.Tensor:
+    half = torch.rand(num_classes, 3, 4, 2, generator=generator)
+    coarse = torch.cat([half, half.flip(-1)], dim=-1)  # mirror-symmetric: a flipped image keeps its class
+    return F.interpolate(coarse, size=(image_size, image_size), mode="bilinear", align_corners=False)
+
+
+def image_folder(root: Path, image_size: int, train_tf) -> tuple[Dataset, Dataset]:
+    """<root>/train/<class>/<image> and <root>/val/<class>/<image>."""
+    resize = [v2.ToImage(), v2.Resize(image_size), v2.CenterCrop(image_size), v2.ToDtype(torch.float32, scale=True)]
+    splits = []
+    for split, tf in (("train", train_tf), ("val", v2.Normalize(MEAN, STD))):
+        folder = root / split
+        check_class_folders(folder, split)
+        splits.append(ImageFiles(folder, v2.Compose([*resize, tf])))
+    return splits[0], splits[1]
+
+
+class ImageFiles(Dataset):
+    """A class-per-folder image set (torchvision's ImageFolder layout and file types).
+
+    Paths live in one numpy byte-string array and labels in one tensor, not in a list
+    of (path, label) tuples: DataLoader workers touching a list of Python objects bump
+    their reference counts, which copies the memory pages into every worker over time.
+    """
+
+    def __init__(self, folder: Path, transform):
+        from torchvision.datasets import ImageFolder
+
+        found = ImageFolder(str(folder))  # only to list files and classes
+        self.classes = found.classes
+        self.paths = np.array([os.fsencode(path) for path, _ in found.samples])
+        self.labels = torch.tensor([label for _, label in found.samples])
+        self.transform = transform
+
+    def __len__(self):
+        return len(self.labels)
+
+    def __getitem__(self, index):
+        image = read_image(os.fsdecode(self.paths[index]))
+        return self.transform(image), int(self.labels[index])
+
+
+def check_class_folders(folder: Path, split: str) -> None:
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    if not folder.is_dir():
+        raise DataError(f"data.root: {str(folder)!r} is missing; expected <root>/{split}/<class>/<image files>")
+    classes = sorted(p for p in folder.iterdir() if p.is_dir())
+    if not classes:
+        raise DataError(f"data.root: {str(folder)!r} has no class folders; expected {folder}/<class>/<image files>")
+    for class_dir in classes:
+        if not any(f.suffix.lower() in IMG_EXTENSIONS for f in class_dir.rglob("*") if f.is_file()):
+            raise DataError(
+                f"data.root: class folder {str(class_dir)!r} has no images ({', '.join(IMG_EXTENSIONS)}); "
+                "add some or remove the folder"
+            )
+
+
+def read_image(path: str):
+    from PIL import Image
+
+    try:
+        with Image.open(path) as image:
+            return image.convert("RGB")
+    except (OSError, ValueError) as error:
+        raise DataError(f"cannot read image {path}: {error}") from None
+
+
+def cifar10(root: Path, train_tf, val_tf) -> tuple[Dataset, Dataset]:
+    from torchvision.datasets import CIFAR10
+
+    to_tensor = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
+    try:
+        train = CIFAR10(str(root), train=True, transform=v2.Compose([*to_tensor, train_tf]))
+        val = CIFAR10(str(root), train=False, transform=v2.Compose([*to_tensor, val_tf]))
+    except RuntimeError:  # torchvision's "Dataset not found or corrupted"
+        raise DataError(
+            f"cifar10: no complete dataset in {str(root / 'cifar-10-batches-py')!r}; set data.download=true "
+            "to fetch it, or data.root to the folder that holds cifar-10-batches-py"
+        ) from None
+    return train, val

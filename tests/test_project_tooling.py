@@ -1,6 +1,7 @@
 """The baked project as a well-kept Python project: lint, CI workflow, pre-commit,
 optional parts, recorded answers (replay, cruft), hygiene. And this repo's own lint."""
 
+import itertools
 import json
 import os
 import shutil
@@ -22,12 +23,14 @@ def run(command, cwd, check=True):
 
 
 VARIANTS = [
-    {"python_version": version, "ci_workflow": on, "slurm_script": on, "tensorboard": on}
-    for version, on in zip(CHOICES["python_version"], [True, False, True, False], strict=True)
+    {"python_version": version, "ci_workflow": on, "slurm_script": on, "tensorboard": on, "task": task}
+    for version, on, task in zip(
+        CHOICES["python_version"], [True, False, True, False], itertools.cycle(CHOICES["task"]), strict=False
+    )
 ]
 
 
-@pytest.mark.parametrize("answers", VARIANTS, ids=lambda a: f"py{a['python_version']}-{a['ci_workflow']}")
+@pytest.mark.parametrize("answers", VARIANTS, ids=lambda a: f"py{a['python_version']}-{a['ci_workflow']}-{a['task']}")
 def test_every_variant_lints_clean(tmp_path, answers):
     project = bake(tmp_path, **answers)
     run(["ruff", "check", "."], project)

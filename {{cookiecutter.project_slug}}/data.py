@@ -1,1 +1,1 @@
-{% include "tasks/classification/data.py" %}
+{% include "tasks/" ~ cookiecutter.task ~ "/data.py" %}

@@ -1,1 +1,1 @@
-{% include "tasks/classification/model.py" %}
+{% include "tasks/" ~ cookiecutter.task ~ "/model.py" %}

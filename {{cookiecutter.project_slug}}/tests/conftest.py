@@ -22,7 +22,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 
+from engine.checkpoint import load_checkpoint
 from engine.config import load_config
 
 PROJECT = Path(__file__).resolve().parents[1]
@@ -189,3 +191,44 @@ def read_metrics(output_dir: Path) -> list[dict]:
 @pytest.fixture
 def fast_args():
     return list(FAST)
+
+
+def tensors(tree, prefix=""):
+    """Every tensor in a nested state dict, by path."""
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else []
+    found = {}
+    for key, value in items:
+        found |= tensors(value, f"{prefix}/{key}")
+    return found
+
+
+def evaluate_on_1_2_and_3_processes(train_args, output_dir: Path) -> list[dict]:
+    """Your task: train one epoch, then evaluate its last.pt on 1, 2 and 3 processes with
+    batches of one sample (so every forward gives the same bits). The three results."""
+    run_script("train.py", [*train_args, "train.epochs=1", f"output_dir={output_dir}"], cwd=PROJECT)
+    args = ["--checkpoint", output_dir / "checkpoints" / "last.pt", "train.eval_batch_size=1"]
+    runs = [run_script("evaluate.py", args, nproc=nproc, cwd=PROJECT) for nproc in (None, 2, 3)]
+    return [json.loads(run.stdout.splitlines()[-1]) for run in runs]
+
+
+def assert_resume_is_bitwise(train_args, output_dir: Path, nproc, stop_at: int) -> None:
+    """Your task: a run stopped after optimizer step `stop_at` and started again ends with
+    the same weights, optimizer state and validation metrics as the run left alone."""
+    whole, split = output_dir / "whole", output_dir / "split"
+    run_script("train.py", [*train_args, f"output_dir={whole}"], nproc=nproc, cwd=PROJECT)
+    args = [*train_args, f"output_dir={split}"]
+    run_script("train.py", [*args, f"train.stop_at_step={stop_at}"], nproc=nproc, cwd=PROJECT)
+    assert "resumed from" in run_script("train.py", args, nproc=nproc, cwd=PROJECT).stdout
+
+    a, b = (load_checkpoint(out / "checkpoints" / "last.pt") for out in (whole, split))
+    assert a["step"] == b["step"] > stop_at
+    for part in ("model", "optimizer"):
+        for key, value in tensors(a[part]).items():
+            assert torch.equal(tensors(b[part])[key], value), f"{part}{key} differs after resume"
+    # A resumed epoch's train_* figures average only the steps after the resume.
+    validation = [
+        {k: v for k, v in m.items() if k.startswith("val_") or k == "num_samples"} for m in read_metrics(whole)
+    ]
+    assert validation == [{k: m[k] for k in v} for m, v in zip(read_metrics(split), validation, strict=True)]

@@ -4,7 +4,7 @@ import sys
 import pytest
 import yaml
 
-from conftest import REFERENCE_TASK, machinery_project, reference_config
+from conftest import PROJECT, REFERENCE_TASK, machinery_project, project_config, reference_config
 from engine.config import Config, ConfigError, save_config
 
 CONFIG_YAML = REFERENCE_TASK / "config.yaml"
@@ -97,3 +97,14 @@ def test_task_sections_are_checked_like_the_rest():
         reference_config(None, ["model.hidden=3"])
     with pytest.raises(ConfigError, match=r"^data.image_size must be int, got 'big'$"):
         reference_config(None, ["data.image_size=big"])
+
+
+def test_your_config_yaml_writes_no_default_twice():
+    """config.yaml holds only what differs from the schema, so the two cannot drift apart
+    (your config.yaml and your task's sections: this holds for any task)."""
+    defaults = project_config(None)
+    written = yaml.safe_load((PROJECT / "config.yaml").read_text())
+    for section, values in written.items():
+        for key, value in values.items() if isinstance(values, dict) else [(None, values)]:
+            default = getattr(defaults, section) if key is None else getattr(getattr(defaults, section), key)
+            assert value != default, f"{section}.{key} repeats its default {default!r}; delete it from config.yaml"

@@ -1,1 +1,1 @@
-{% include "tasks/classification/test_data.py" %}
+{% include "tasks/" ~ cookiecutter.task ~ "/test_data.py" %}

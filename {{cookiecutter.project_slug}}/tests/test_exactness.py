@@ -8,23 +8,12 @@ import json
 import pytest
 import torch
 
-from conftest import FAST, read_metrics, run_script
+from conftest import FAST, read_metrics, run_script, tensors
 from engine.checkpoint import load_checkpoint
 
 
 def final_state(output_dir):
     return load_checkpoint(output_dir / "checkpoints" / "last.pt")
-
-
-def tensors(tree, prefix=""):
-    """Every tensor in a nested state dict, by path."""
-    if isinstance(tree, torch.Tensor):
-        return {prefix: tree}
-    items = tree.items() if isinstance(tree, dict) else enumerate(tree) if isinstance(tree, list) else []
-    found = {}
-    for key, value in items:
-        found |= tensors(value, f"{prefix}/{key}")
-    return found
 
 
 @pytest.mark.parametrize("nproc, batch_size, accum", [(2, 8, 1), (1, 8, 2), (2, 4, 2)])

@@ -1,1 +1,1 @@
-{% include "tasks/classification/test_task.py" %}
+{% include "tasks/" ~ cookiecutter.task ~ "/test_task.py" %}

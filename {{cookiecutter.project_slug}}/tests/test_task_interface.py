@@ -9,9 +9,8 @@ import shutil
 import pytest
 import torch
 
-from conftest import PROJECT, machinery_project, read_metrics, run_script
+from conftest import PROJECT, machinery_project, read_metrics, run_script, tensors
 from engine.checkpoint import load_checkpoint
-from test_exactness import tensors
 
 TASK = PROJECT / "tests" / "regression_task"
 RUN = [

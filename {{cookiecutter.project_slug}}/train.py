@@ -19,7 +19,7 @@ from torch.distributed.elastic.multiprocessing.errors import record
 import data
 from data import DataConfig, build_datasets, prepare_data
 from engine.batch import move_to_device
-from engine.checkpoint import Checkpointer
+from engine.checkpoint import Checkpointer, checkpoint_dir
 from engine.config import format_config, load_config, save_config
 from engine.distributed import (
     barrier,
@@ -30,6 +30,7 @@ from engine.distributed import (
     prepare_on_node_leaders,
     stop_all_if_any_fails,
 )
+from engine.divergence import NonFiniteGuard
 from engine.evaluation import evaluate
 from engine.loader import build_train_loader, build_val_loader, steps_per_epoch
 from engine.logs import RunLog, log, report_errors
@@ -44,6 +45,7 @@ from engine.optim import (
 )
 from engine.parallel import memory_format, wrap_model
 from engine.preemption import StopRequest
+from engine.run_lock import RunLock
 from engine.seeding import derive_seed, seed_everything, set_determinism
 from engine.training import (
     EpochStats,
@@ -73,7 +75,11 @@ def main(argv=None) -> None:
         print(format_config(cfg), end="")
         return
     env, device = init_distributed_mode(cfg.dist)
+    lock = None
     try:
+        with stop_all_if_any_fails(device):
+            if is_main():  # one run per output_dir, taken before anything is written there
+                lock = RunLock(cfg.output_dir).acquire()
         stop = StopRequest(cfg.dist.timeout_minutes, cfg.train.stop_at_step).install()
         check_precision(cfg, device)
         set_determinism(cfg.train.deterministic, device)
@@ -120,6 +126,8 @@ def main(argv=None) -> None:
         barrier(device)  # leave together: tearing down a group with peers mid-call can abort
     finally:
         gc.unfreeze()
+        if lock is not None:
+            lock.release()
         cleanup_distributed()
 
 
@@ -135,10 +143,12 @@ def load_train_objs(cfg, env, device):
 
     seed_everything(cfg.seed)  # the same initial weights on every rank
     model, train_model = wrap_model(build_model(cfg), cfg, env, device, BLOCKS)  # SyncBatchNorm, device, DDP
-    optimizer = build_optimizer(model, cfg.train, scaled_lr(cfg.train, env.world_size))  # for the effective batch
+    lr = scaled_lr(cfg.train, env.world_size)  # for the effective batch
+    optimizer = build_optimizer(model, cfg.train, lr)
     scheduler = build_scheduler(optimizer, cfg.train, steps_per_epoch(train_loader, cfg))
     scaler = build_grad_scaler(cfg.train.precision, device)
-    return train_loader, val_loader, TrainState(model, train_model, optimizer, scheduler, scaler, device)
+    guard = NonFiniteGuard(cfg.train, checkpoint_dir(cfg.output_dir), lr, device)
+    return train_loader, val_loader, TrainState(model, train_model, optimizer, scheduler, scaler, guard, device)
 
 
 def start_run_log(cfg, env, state: TrainState, train_loader, val_loader) -> RunLog | None:
@@ -174,12 +184,14 @@ def train_one_epoch(state: TrainState, loader, cfg, stop: StopRequest, checkpoin
             stats.add(losses)
             if not is_last_micro_batch(state, cfg):
                 continue  # accumulate gradients
-            optimizer_step(state, cfg.train.grad_clip)
+            optimizer_step(state, cfg.train)
             stats.step_done()
             if is_main():
                 progress.update(state.step, losses["loss"], state.scheduler.get_last_lr()[0])
             if stop.requested(state.step):  # a signal to any rank, or train.stop_at_step
                 return stats.summary(cfg.train.batch_size), False
+            if state.step % cfg.train.log_every_steps == 0:
+                state.guard.check(state.scaler)  # a NaN stops every rank here, or at the next save
             checkpointer.save_if_due(state)  # every checkpoint.every_steps
     finally:
         if is_main():

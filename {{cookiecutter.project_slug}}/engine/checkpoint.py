@@ -178,6 +178,7 @@ class Checkpointer:
     def save(self, state, val_metrics: dict | None = None) -> None:
         """Write a checkpoint now; with an epoch's `val_metrics`, also best.pt if that
         epoch has the best checkpoint.best_metric so far."""
+        state.guard.check(state.scaler)  # never save non-finite weights: stop instead
         is_best = val_metrics is not None and self.is_new_best(state, val_metrics)
         rng_states = all_gather_objects(capture_rng_state())
         payload = {**state.state_dict(), "config": to_dict(self.cfg), "world_size": self.env.world_size}

@@ -48,6 +48,7 @@ class TrainConfig:
     step_every_epochs: int = 30  # step schedule: multiply lr by step_gamma this often
     step_gamma: float = 0.1  # step schedule only
     grad_clip: float = 5.0  # max gradient norm: a guard against rare spikes, not a limit on normal steps; 0 = off
+    max_bad_steps: int = 0  # steps with non-finite gradients to skip before stopping (>0: a host sync per step)
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 needs CUDA; uses a GradScaler)
     strategy: str = "ddp"  # ddp (replica per process) | fsdp (sharded: for big models)
     fsdp_cpu_offload: bool = False  # fsdp only: keep sharded parameters in CPU memory
@@ -66,7 +67,16 @@ class TrainConfig:
             check_positive(f"train.{key}", getattr(self, key))
         for key in ("lr", "step_every_epochs", "step_gamma"):
             check_positive(f"train.{key}", getattr(self, key))
-        for key in ("momentum", "weight_decay", "warmup_epochs", "grad_clip", "stop_at_step", "num_workers"):
+        zero_ok = (
+            "momentum",
+            "weight_decay",
+            "warmup_epochs",
+            "grad_clip",
+            "max_bad_steps",
+            "stop_at_step",
+            "num_workers",
+        )
+        for key in zero_ok:
             check_positive(f"train.{key}", getattr(self, key), allow_zero=True)
         check_choice("train.optimizer", self.optimizer, ("sgd", "adamw"))
         check_choice("train.schedule", self.schedule, ("cosine", "step", "constant"))

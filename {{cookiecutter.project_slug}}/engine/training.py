@@ -20,8 +20,9 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from engine.config import Config, UsageError
+from engine.config import Config, TrainConfig, UsageError
 from engine.distributed import all_reduce_sum, get_world_size
+from engine.divergence import NonFiniteGuard
 from engine.optim import autocast
 
 FULL = StateDictOptions(full_state_dict=True)
@@ -37,6 +38,7 @@ class TrainState:
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     scaler: torch.amp.GradScaler
+    guard: NonFiniteGuard  # stops the run when gradients become non-finite
     device: torch.device  # where the model lives (not saved)
     epoch: int = 0  # epoch in progress
     batches_done: int = 0  # micro-batches of `epoch` already trained
@@ -55,6 +57,7 @@ class TrainState:
             "batches_done": self.batches_done,
             "step": self.step,
             "best_metric_value": self.best_metric_value,
+            "skipped_steps": self.guard.skipped_steps,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -66,6 +69,7 @@ class TrainState:
         self.batches_done = state["batches_done"]
         self.step = state["step"]
         self.best_metric_value = state.get("best_metric_value")  # absent in older checkpoints
+        self.guard.skipped_steps = state.get("skipped_steps", 0)
 
 
 def forward_backward(state: TrainState, batch, training_step, cfg: Config) -> dict[str, torch.Tensor]:
@@ -149,11 +153,19 @@ def is_last_micro_batch(state: TrainState, cfg: Config) -> bool:
     return state.batches_done % cfg.train.accum_steps == 0
 
 
-def optimizer_step(state: TrainState, grad_clip: float) -> None:
-    if grad_clip > 0:
+def optimizer_step(state: TrainState, train: TrainConfig) -> None:
+    """Clip, update, advance the schedule. The update of a step with non-finite gradients
+    is skipped if train.max_bad_steps allows, else recorded for `state.guard.check`."""
+    skip = False
+    if train.grad_clip > 0:
         state.scaler.unscale_(state.optimizer)  # clip true gradients, not scaled ones
-        torch.nn.utils.clip_grad_norm_(state.model.parameters(), grad_clip)
-    state.scaler.step(state.optimizer)
+        grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), train.grad_clip)
+    elif not state.scaler.is_enabled():
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in state.model.parameters() if p.grad is not None])
+    if not state.scaler.is_enabled():  # fp16's GradScaler skips non-finite steps itself
+        skip = state.guard.skip_step(grad_norm, state.step + 1)
+    if not skip:
+        state.scaler.step(state.optimizer)
     state.scaler.update()
     state.optimizer.zero_grad(set_to_none=True)
     state.scheduler.step()

@@ -1,4 +1,5 @@
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from engine.checkpoint import (
     strip_prefixes,
 )
 from engine.config import to_dict
+from engine.divergence import NonFiniteGuard
 from engine.optim import build_grad_scaler, build_optimizer, build_scheduler
 from engine.seeding import capture_rng_state
 from engine.training import TrainState
@@ -29,7 +31,8 @@ def make_state(seed=0):
     optimizer.step()  # creates optimizer state tensors
     scheduler = build_scheduler(optimizer, cfg.train, steps_per_epoch=10)
     cpu = torch.device("cpu")
-    return TrainState(model, model, optimizer, scheduler, build_grad_scaler("fp32", cpu), cpu), cfg
+    guard = NonFiniteGuard(cfg.train, checkpoints=Path("unused"), lr=cfg.train.lr, device=cpu)
+    return TrainState(model, model, optimizer, scheduler, build_grad_scaler("fp32", cpu), guard, cpu), cfg
 
 
 def payload(state, cfg):

@@ -371,6 +371,57 @@ def test_failed_save_is_clear_and_keeps_previous_checkpoint(tmp_path):
     assert not list((out / "checkpoints").glob(".*.tmp"))
 
 
+# -- 7b. divergence ------------------------------------------------------------------------
+
+# lr 300 without clipping: finite for a few steps of the warmup, then NaN (at step 8 to 10
+# on 1 or 2 processes). keep_last=1: a run that saved NaN would prune every good checkpoint.
+DIVERGING = [
+    *FAST,
+    "train.lr=300",
+    "train.scale_lr=false",
+    "train.grad_clip=0",
+    "checkpoint.every_steps=4",
+    "checkpoint.keep_last=1",
+    "train.epochs=2",
+]
+
+
+def all_finite(checkpoint: dict) -> bool:
+    return all(torch.isfinite(value).all() for value in checkpoint["model"].values() if value.is_floating_point())
+
+
+@pytest.mark.parametrize("nproc", [None, 2])
+def test_a_diverging_run_stops_every_rank_and_keeps_its_last_good_checkpoint(tmp_path, nproc):
+    result = run_script("train.py", [*DIVERGING, f"output_dir={tmp_path}"], nproc=nproc, check=False)
+    line = one_error_line(result)
+    good = last(tmp_path)
+    assert line.startswith("error: training diverged: non-finite gradients at step "), line
+    bad_step = int(line.split("at step ")[1].split(";")[0])
+    assert good["step"] < bad_step <= good["step"] + 2 * 4  # caught at the next check (log or save)
+    assert f"last.pt (step {good['step']}), kept" in line and "train.lr (this run: 300)" in line
+    assert all_finite(good) and good["step"] > 0
+    assert [path.name for path in step_checkpoints(tmp_path / "checkpoints")] == [f"step-{good['step']:08d}.pt"]
+    assert not (tmp_path / "checkpoints" / "best.pt").exists()  # no epoch finished
+
+
+def test_bad_steps_are_skipped_up_to_max_bad_steps_then_the_run_stops(tmp_path):
+    args = [*DIVERGING, "train.max_bad_steps=3", f"output_dir={tmp_path}"]
+    result = run_script("train.py", args, check=False)
+    line = one_error_line(result)
+    assert "after 3 skipped (train.max_bad_steps)" in line, line
+    assert all_finite(last(tmp_path))
+
+
+def test_a_diverging_run_resumed_stops_at_once_without_saving(tmp_path):
+    """The last good checkpoint stays the resume point: a relaunch (a requeue) diverges
+    again from it, and still writes nothing non-finite."""
+    run_script("train.py", [*DIVERGING, f"output_dir={tmp_path}"], check=False)
+    before = last(tmp_path)["step"]
+    result = run_script("train.py", [*DIVERGING, f"output_dir={tmp_path}"], check=False)
+    assert "resumed from" in result.stdout and "training diverged" in one_error_line(result)
+    assert last(tmp_path)["step"] == before and all_finite(last(tmp_path))
+
+
 # -- 8. runs are not overwritten ----------------------------------------------------------------
 
 

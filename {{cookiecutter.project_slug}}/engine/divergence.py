@@ -1,0 +1,77 @@
+"""A run whose gradients become NaN or infinite has diverged: it must stop, with its last
+good checkpoint intact, instead of training on and saving non-finite weights as progress.
+
+Every optimizer step records whether its gradient norm is finite, on the device, so the
+default path never waits for it. `check` reads the record (a host sync) every
+train.log_every_steps steps and before every checkpoint, so nothing non-finite is saved.
+The gradients are all-reduced before the norm is taken, so every rank sees the same
+norm and decides alike.
+
+With fp16 the GradScaler skips steps with non-finite gradients itself and lowers its
+scale: that is normal. Such a run has diverged only when the scale has collapsed, i.e.
+no scale makes the gradients finite.
+"""
+
+from pathlib import Path
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from engine.checkpoint import STEP_FILE, step_checkpoints
+from engine.config import TrainConfig, UsageError
+from engine.distributed import all_reduce_max
+
+MIN_FP16_SCALE = 2.0**-10  # 26 halvings below GradScaler's initial 2**16
+
+
+class DivergedError(UsageError):
+    pass
+
+
+class NonFiniteGuard:
+    def __init__(self, train: TrainConfig, checkpoints: Path, lr: float, device: torch.device):
+        self.max_bad_steps, self.checkpoints, self.lr = train.max_bad_steps, checkpoints, lr
+        self.first_bad_step = torch.full((), -1, dtype=torch.int64, device=device)
+        self.skipped_steps = 0  # over the whole run: saved in checkpoints
+
+    def skip_step(self, grad_norm: torch.Tensor, step: int) -> bool:
+        """Record step `step`'s gradient norm; whether to skip its update. Skipping needs
+        the norm on the host at every step, so it is on only with train.max_bad_steps > 0."""
+        if isinstance(grad_norm, DTensor):  # FSDP: the norm over every shard
+            grad_norm = grad_norm.full_tensor()
+        bad = ~torch.isfinite(grad_norm)
+        if self.max_bad_steps == 0:
+            first = self.first_bad_step
+            self.first_bad_step = torch.where(bad & (first < 0), torch.full_like(first, step), first)
+            return False
+        if not bool(bad):
+            return False
+        self.skipped_steps += 1
+        if self.skipped_steps > self.max_bad_steps:
+            skipped = f"after {self.max_bad_steps} skipped (train.max_bad_steps)"
+            raise DivergedError(self.message(f"at step {step}, {skipped}"))
+        return True
+
+    def check(self, scaler: torch.amp.GradScaler) -> None:
+        """Stop every rank together if a step had non-finite gradients, or fp16's loss
+        scale collapsed. Every rank must call this."""
+        first_bad = all_reduce_max(int(self.first_bad_step), self.first_bad_step.device)
+        if first_bad >= 0:
+            raise DivergedError(self.message(f"at step {first_bad}"))
+        if scaler.is_enabled() and scaler.get_scale() < MIN_FP16_SCALE:
+            raise DivergedError(self.message(f"at every scale (the fp16 loss scale fell below {MIN_FP16_SCALE:g})"))
+
+    def message(self, where: str) -> str:
+        return (
+            f"training diverged: non-finite gradients {where}; {self.last_good()}. Try a lower train.lr "
+            f"(this run: {self.lr:.4g}), a longer train.warmup_epochs, or train.grad_clip; "
+            "train.max_bad_steps=N skips up to N such steps"
+        )
+
+    def last_good(self) -> str:
+        """Checkpoints are written only after a check, so the newest one is good."""
+        steps = step_checkpoints(self.checkpoints)
+        if not steps:
+            return "no checkpoint was saved before it"
+        step = int(STEP_FILE.match(steps[-1].name).group(1))
+        return f"the last good checkpoint is {self.checkpoints / 'last.pt'} (step {step}), kept"

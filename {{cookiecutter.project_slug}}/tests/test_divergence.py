@@ -1,0 +1,65 @@
+"""The non-finite guard's decisions, step by step, in one process (the real runs that
+diverge are in test_faults.py)."""
+
+import pytest
+import torch
+
+from conftest import reference_config
+from engine.divergence import MIN_FP16_SCALE, DivergedError, NonFiniteGuard
+from engine.optim import build_optimizer, build_scheduler
+from engine.training import TrainState, optimizer_step
+
+CPU = torch.device("cpu")
+
+
+def make_state(tmp_path, precision="fp32", *overrides):
+    cfg = reference_config(None, ["train.grad_clip=0", *overrides])
+    model = torch.nn.Linear(3, 2)
+    optimizer = build_optimizer(model, cfg.train, 0.1)
+    scheduler = build_scheduler(optimizer, cfg.train, steps_per_epoch=10)
+    # An enabled scaler stands for fp16 on CUDA: on the CPU it skips and rescales alike.
+    scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
+    guard = NonFiniteGuard(cfg.train, tmp_path, lr=0.1, device=CPU)
+    return TrainState(model, model, optimizer, scheduler, scaler, guard, CPU), cfg
+
+
+def backward(state, value: float):
+    loss = state.model(torch.full((1, 3), value)).sum()
+    state.scaler.scale(loss).backward()
+
+
+def test_a_non_finite_step_is_recorded_without_a_host_sync_then_stops_the_run(tmp_path):
+    state, cfg = make_state(tmp_path)
+    backward(state, 1.0)
+    optimizer_step(state, cfg.train)
+    state.guard.check(state.scaler)  # finite so far
+    backward(state, float("nan"))
+    optimizer_step(state, cfg.train)
+    backward(state, float("inf"))
+    optimizer_step(state, cfg.train)
+    with pytest.raises(DivergedError, match=r"non-finite gradients at step 2; no checkpoint was saved before it"):
+        state.guard.check(state.scaler)
+
+
+def test_max_bad_steps_skips_the_update_then_stops(tmp_path):
+    state, cfg = make_state(tmp_path, "fp32", "train.max_bad_steps=1")
+    backward(state, float("nan"))
+    before = state.model.weight.detach().clone()
+    optimizer_step(state, cfg.train)
+    assert torch.equal(state.model.weight, before) and state.guard.skipped_steps == 1 and state.step == 1
+    assert state.state_dict()["skipped_steps"] == 1  # a resumed run counts on
+    backward(state, float("nan"))
+    with pytest.raises(DivergedError, match=r"at step 2, after 1 skipped \(train.max_bad_steps\)"):
+        optimizer_step(state, cfg.train)
+
+
+def test_fp16_steps_the_scaler_skips_are_normal_until_its_scale_collapses(tmp_path):
+    state, cfg = make_state(tmp_path, "fp16")
+    for _ in range(5):
+        backward(state, float("inf"))
+        optimizer_step(state, cfg.train)
+    assert torch.isfinite(state.model.weight).all()  # the scaler skipped them
+    state.guard.check(state.scaler)  # and the guard lets it
+    state.scaler.update(MIN_FP16_SCALE / 2)
+    with pytest.raises(DivergedError, match="fp16 loss scale fell below"):
+        state.guard.check(state.scaler)

@@ -63,7 +63,13 @@ def atomic_write(directory: Path, name: str, write) -> None:
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
-            write(f)
+            recorder = WriteErrors(f)
+            try:
+                write(recorder)
+            except RuntimeError:
+                if recorder.error is None:
+                    raise
+                raise recorder.error from None  # e.g. "No space left on device", not torch's "unexpected pos"
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, directory / name)
@@ -71,6 +77,24 @@ def atomic_write(directory: Path, name: str, write) -> None:
         Path(tmp).unlink(missing_ok=True)
         raise
     fsync_dir(directory)
+
+
+class WriteErrors:
+    """A file that keeps the first OSError of its writes: torch.save reports a failed
+    write (a full disk) only as "unexpected pos N vs M"."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as error:
+            self.error = self.error or error
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
 
 
 def publish(source: Path, target: Path) -> None:

@@ -354,7 +354,8 @@ def test_failed_save_is_clear_and_keeps_previous_checkpoint(tmp_path):
     out = tmp_path / "run"
     run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=3"])
     before = (out / "checkpoints" / "last.pt").read_bytes()
-    # A file-size limit makes the next checkpoint write fail part-way, as a full disk would.
+    # A file-size limit makes the next checkpoint write fail part-way (EFBIG); the real full
+    # disk, where this machine may mount one, is the test below.
     result = subprocess.run(
         [sys.executable, "train.py", *FAST, f"output_dir={out}", "train.stop_at_step=6"],
         cwd=machinery_project(),
@@ -420,6 +421,41 @@ def test_a_diverging_run_resumed_stops_at_once_without_saving(tmp_path):
     result = run_script("train.py", [*DIVERGING, f"output_dir={tmp_path}"], check=False)
     assert "resumed from" in result.stdout and "training diverged" in one_error_line(result)
     assert last(tmp_path)["step"] == before and all_finite(last(tmp_path))
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs: a real file system that fills up. Needs the right to mount (root, or
+    CAP_SYS_ADMIN in a container); skipped with the reason where that is refused."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+def test_a_full_disk_fails_the_save_in_one_line_keeps_the_last_checkpoint_and_resumes(small_disk):
+    out = small_disk / "run"
+    run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=3"])
+    before = (out / "checkpoints" / "last.pt").read_bytes()
+    free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
+    filler = small_disk / "filler"
+    filler.write_bytes(b"\0" * (free - len(before) // 2))  # room for logs, not for a checkpoint
+    result = run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=6"], nproc=2, check=False)
+    line = one_error_line(result)
+    assert line.startswith("error: checkpoint not saved (cannot write") and "No space left on device" in line, line
+    assert (out / "checkpoints" / "last.pt").read_bytes() == before
+    assert not list((out / "checkpoints").glob(".*.tmp"))
+
+    filler.unlink()
+    result = run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=6"], nproc=2)
+    assert "resumed from" in result.stdout and last(out)["step"] == 6
 
 
 # -- 8. runs are not overwritten ----------------------------------------------------------------

@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import TOOLS_ENV, bake
 
 CLUSTER = Path(__file__).with_name("slurm_cluster.sh")
@@ -127,3 +128,48 @@ def test_usr1_before_time_limit_checkpoints_requeues_and_finishes(slurm, project
     assert f"job {job_id} run 1" in text and "resumed from" in text
     assert "epoch 1:" in text
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def srun(project, slurm, args, tasks=2):
+    return subprocess.run(
+        ["srun", "-n", str(tasks), "python", "train.py", *FAST, *args],
+        cwd=project,
+        env=slurm,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def one_error_line(result) -> str:
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and len(errors) == 1, result.stdout + result.stderr
+    return errors[0]
+
+
+def test_srun_a_diverging_run_stops_every_task_and_keeps_a_finite_checkpoint(slurm, project, tmp_path):
+    out = tmp_path / "run"
+    diverging = ["train.lr=300", "train.scale_lr=false", "train.grad_clip=0", "checkpoint.every_steps=4"]
+    result = srun(project, slurm, [*diverging, "checkpoint.keep_last=1", f"output_dir={out}"])
+    assert one_error_line(result).startswith("error: training diverged: non-finite gradients at step ")
+    good = torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
+    assert good["step"] > 0 and all(torch.isfinite(value).all() for value in good["model"].values())
+
+
+def test_srun_a_second_job_on_a_busy_output_dir_refuses(slurm, project, tmp_path):
+    out = tmp_path / "run"
+    long_run = [*FAST, "data.train_size=8192", "train.epochs=50", f"output_dir={out}"]
+    first = subprocess.Popen(
+        ["srun", "-n", "1", "-J", "lock-holder", "python", "train.py", *long_run],
+        cwd=project,
+        env=slurm,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_until(lambda: (out / "metrics.jsonl").exists() or (out / "config.yaml").exists(), 120, "the first job")
+        line = one_error_line(srun(project, slurm, [f"output_dir={out}"], tasks=1))
+        assert line.startswith(f"error: output_dir '{out}' is in use by the run on host "), line
+    finally:
+        subprocess.run(["scancel", "-n", "lock-holder"], env=slurm, check=False)
+        first.wait(timeout=120)

@@ -3,6 +3,7 @@
 Nothing is lost beyond the last checkpoint, and each failure says what happened in one line.
 """
 
+import json
 import os
 import pickle
 import resource
@@ -178,13 +179,15 @@ def test_stop_signal_checkpoints_and_resumes_exactly(tmp_path, uninterrupted, ta
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
-@pytest.mark.parametrize("attempt", [1, 2])
-def test_killed_worker_is_restarted_and_finishes_exactly(tmp_path, uninterrupted, attempt):
+@pytest.mark.parametrize("victim", ["rank 0, the output_dir lock holder", "another rank"])
+def test_killed_worker_is_restarted_and_finishes_exactly(tmp_path, uninterrupted, victim):
     out = tmp_path / "run"
     args = [*LONG, f"output_dir={out}", f"train.stop_at_step={END}", "checkpoint.every_steps=25"]
     process, seen = start_script("train.py", args, nproc=2, env=RESTART_ENV, torchrun_args=["--max-restarts=2"]), []
     wait_for_line(process, "step 60 ", seen)
-    os.kill(children(process.pid)[-1], signal.SIGKILL)
+    holder = json.loads((out / "run.lock").read_text())["pid"]  # rank 0's: its restart must take the lock over
+    others = [pid for pid in children(process.pid) if pid != holder]
+    os.kill(holder if victim.startswith("rank 0") else others[0], signal.SIGKILL)
     output = finish(process, seen, timeout=180)
     assert process.returncode == 0, output
     assert "resumed from" in output

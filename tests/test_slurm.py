@@ -173,3 +173,25 @@ def test_srun_a_second_job_on_a_busy_output_dir_refuses(slurm, project, tmp_path
     finally:
         subprocess.run(["scancel", "-n", "lock-holder"], env=slurm, check=False)
         first.wait(timeout=120)
+
+
+def test_srun_a_full_disk_fails_the_save_in_one_line_and_the_next_job_resumes(slurm, project, tmp_path):
+    """A real 1 MiB tmpfs that fills up (these tests run as root, so they may mount)."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(disk)], check=True)
+    try:
+        out = disk / "run"
+        assert srun(project, slurm, ["train.stop_at_step=3", f"output_dir={out}"]).returncode == 0
+        before = (out / "checkpoints" / "last.pt").read_bytes()
+        free = os.statvfs(disk).f_bavail * os.statvfs(disk).f_frsize
+        filler = disk / "filler"
+        filler.write_bytes(b"\0" * (free - len(before) // 2))  # room for logs, not for a checkpoint
+        line = one_error_line(srun(project, slurm, ["train.stop_at_step=6", f"output_dir={out}"]))
+        assert line.startswith("error: checkpoint not saved (cannot write") and "No space left on device" in line
+        assert (out / "checkpoints" / "last.pt").read_bytes() == before
+        filler.unlink()
+        resumed = srun(project, slurm, ["train.stop_at_step=6", f"output_dir={out}"])
+        assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stdout + resumed.stderr
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=True)

@@ -443,21 +443,22 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(mount_point)], check=True)
 
 
-def test_a_full_disk_fails_the_save_in_one_line_keeps_the_last_checkpoint_and_resumes(small_disk):
+@pytest.mark.parametrize("nproc", [None, 2])
+def test_a_full_disk_fails_the_save_in_one_line_keeps_the_last_checkpoint_and_resumes(small_disk, nproc):
     out = small_disk / "run"
     run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=3"])
     before = (out / "checkpoints" / "last.pt").read_bytes()
     free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
     filler = small_disk / "filler"
     filler.write_bytes(b"\0" * (free - len(before) // 2))  # room for logs, not for a checkpoint
-    result = run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=6"], nproc=2, check=False)
+    result = run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=6"], nproc=nproc, check=False)
     line = one_error_line(result)
     assert line.startswith("error: checkpoint not saved (cannot write") and "No space left on device" in line, line
     assert (out / "checkpoints" / "last.pt").read_bytes() == before
     assert not list((out / "checkpoints").glob(".*.tmp"))
 
     filler.unlink()
-    result = run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=6"], nproc=2)
+    result = run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=6"], nproc=nproc)
     assert "resumed from" in result.stdout and last(out)["step"] == 6
 
 

@@ -17,9 +17,10 @@ demo: $(BIN)/.installed
 	cd $(DEMO)/ddp_classifier && PATH="$(CURDIR)/$(BIN):$$PATH" \
 		torchrun --standalone --nproc_per_node=2 train.py model.name=mlp train.epochs=5
 
-# Every test: the template's, and each generated project's own suite.
+# Every test: the template's, and each generated project's own suite; two at a time
+# (the SLURM tests share one cluster, so they stay together on one worker).
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest tests
+	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
 
 # Generated loop vs a hand-written one, DDP vs FSDP memory, speed switches. Prints figures.
 bench: $(BIN)/.installed

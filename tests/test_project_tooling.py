@@ -66,7 +66,7 @@ def test_ci_workflow_is_valid_yaml_with_install_lint_and_test_steps(tmp_path):
     assert setup["with"]["python-version"] == "3.12"
     assert 'pip install -e ".[dev]"' in ci_step(project, "Install")["run"]
     assert ci_step(project, "Lint")["run"].split("\n")[:2] == ["ruff check .", "ruff format --check ."]
-    assert ci_step(project, "Test")["run"].strip() == "pytest"
+    assert ci_step(project, "Test")["run"].strip() == "pytest -n 2"
 
 
 def test_project_installs_with_the_standard_command(tmp_path):

@@ -21,6 +21,8 @@ FAST = (
 # The shipped script asks for GPUs; this cluster has none. Adapted by variables, not edits.
 NO_GPU = {"SBATCH_GPUS_PER_NODE": "0"}
 ONE_NODE_TWO_TASKS = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"]
+# One cluster on this machine: under pytest-xdist, every test here runs on the same worker.
+pytestmark = pytest.mark.xdist_group("slurm")
 
 
 def unavailable(reason):

@@ -57,6 +57,17 @@ def test_the_default_recipe_learns_on_any_number_of_processes(tmp_path, model, n
     assert metrics[-1]["val_acc"] > 0.5, metrics  # 10 classes: chance is 0.1
 
 
+@pytest.mark.parametrize("batch_size", [16, 256])
+def test_the_default_recipe_learns_at_small_and_large_per_process_batches(tmp_path, batch_size):
+    """The same config at 16 and 256 samples per step (128 and 8 steps per epoch): the
+    rate scales with the batch, and warmup lasts one epoch whatever its length."""
+    args = [*SMALL_DEFAULT_RUN, "model.name=mlp", f"train.batch_size={batch_size}", f"output_dir={tmp_path}"]
+    run_script("train.py", args, timeout=600, cwd=PROJECT)
+    metrics = read_metrics(tmp_path)
+    assert metrics[-1]["train_loss"] < 0.7 * metrics[0]["train_loss"]
+    assert metrics[-1]["val_acc"] > 0.5, metrics  # 10 classes: chance is 0.1
+
+
 def test_evaluation_gives_the_same_metrics_on_1_2_and_3_processes(tmp_path):
     """101 samples: shards of 51/50 and 34/34/33, every one counted once."""
     results = evaluate_on_1_2_and_3_processes(SMALL_TASK, tmp_path)

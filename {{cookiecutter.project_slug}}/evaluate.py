@@ -26,6 +26,7 @@ from engine.distributed import (
 from engine.evaluation import evaluate
 from engine.loader import build_val_loader
 from engine.logs import report_errors
+from engine.memory import keep_freed_host_memory
 from model import ModelConfig, build_metrics, build_model, validation_step
 
 
@@ -52,6 +53,7 @@ def main(argv=None) -> None:
         model = build_model(cfg)
         load_model_weights(model, ckpt["model"], args.checkpoint)
         model.to(device)
+        keep_freed_host_memory()  # batches reuse the memory the batch before freed
         metrics = evaluate(model, val_loader, validation_step, build_metrics(cfg), device, cfg.train.precision)
         if is_main():
             print(json.dumps({"checkpoint": args.checkpoint, "step": ckpt.get("step"), **metrics}), flush=True)

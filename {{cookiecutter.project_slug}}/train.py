@@ -34,7 +34,7 @@ from engine.divergence import NonFiniteGuard
 from engine.evaluation import evaluate
 from engine.loader import build_train_loader, build_val_loader, steps_per_epoch
 from engine.logs import RunLog, log, report_errors
-from engine.memory import freeze_setup_objects, report_memory
+from engine.memory import freeze_setup_objects, keep_freed_host_memory, report_memory
 from engine.optim import (
     build_grad_scaler,
     build_optimizer,
@@ -89,6 +89,7 @@ def main(argv=None) -> None:
         run_log = start_run_log(cfg, env, state, train_loader, val_loader)  # rank 0's; None elsewhere
 
         freeze_setup_objects()  # no full garbage collection pauses inside the steps
+        keep_freed_host_memory()  # no page faults for the memory each step frees and takes again
         try:
             while state.epoch < cfg.train.epochs:
                 if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)

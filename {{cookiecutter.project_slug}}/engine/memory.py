@@ -5,7 +5,10 @@ holding far more than the others, e.g. because every process loaded a checkpoint
 and memory that grows epoch after epoch (a leak).
 """
 
+import ctypes
 import gc
+import os
+import platform
 import resource
 import statistics
 import warnings
@@ -16,6 +19,15 @@ from engine.distributed import all_gather_objects, is_main
 from engine.logs import log
 
 IMBALANCE = 1.25  # warn when a rank holds more than this times the median
+
+# glibc's mallopt() parameters, and the values the training steps run with.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+HEAP_BLOCKS_UP_TO = 256 * 2**20  # blocks up to this size come from the heap, not their own mmap
+KEEP_FREE_AT_HEAP_TOP = 512 * 2**20  # free memory kept at the heap's top, not given back
+# The same settings made at launch, which win: variables, and names in GLIBC_TUNABLES.
+SETTINGS = ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")
+LAUNCH_VARIABLES = [f"MALLOC_{name.upper()}_" for name in SETTINGS]
+TUNABLES = [f"glibc.malloc.{name}" for name in SETTINGS]
 
 
 def memory_snapshot(device: torch.device, count_tensors: bool = True) -> dict:
@@ -46,6 +58,36 @@ def freeze_setup_objects() -> None:
     """
     gc.collect()
     gc.freeze()
+
+
+def keep_freed_host_memory() -> bool:
+    """Let each training step reuse the host memory the step before freed, instead of
+    having the kernel map and zero it again. Returns whether the setting was applied.
+
+    With glibc's defaults, a block above an adaptive threshold (at most 32 MiB) gets its
+    own mmap and goes back to the kernel when freed, and free memory at the heap's top
+    goes back once it exceeds twice that threshold. A step frees and allocates the same
+    activations every time, so on a CPU each step page-faulted them in anew: about
+    31,000 faults per ResNet-18 step (batch 32), 5% of its time. Fixed thresholds keep
+    them in the heap. The peak is unchanged; what is freed after it stays with the
+    process, up to 512 MiB at the heap's top. On a GPU the step's tensors are in CUDA's
+    caching allocator, which already keeps what it frees; the host heap still holds the
+    batches that `num_workers=0` collates in this process, and workers started later
+    inherit the setting.
+
+    Call it after setup, so that what setup freed (e.g. building a dataset) has already
+    gone back. The same settings made at launch (MALLOC_TRIM_THRESHOLD_ etc., or in
+    GLIBC_TUNABLES) win, and other C libraries are left alone.
+    """
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if any(name in os.environ for name in LAUNCH_VARIABLES) or any(name in tunables for name in TUNABLES):
+        return False
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)  # the C library this process already runs on
+    return bool(
+        libc.mallopt(M_MMAP_THRESHOLD, HEAP_BLOCKS_UP_TO) and libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREE_AT_HEAP_TOP)
+    )
 
 
 def count_live_tensors() -> int:

@@ -2,6 +2,7 @@
 
 import gc
 import json
+import platform
 
 import pytest
 import torch
@@ -70,6 +71,48 @@ def test_every_load_during_resume_is_cpu_mapped_and_weights_only(tmp_path):
     calls = [call for rank in (0, 1) for call in json.loads((tmp_path / f"loads{rank}").read_text())]
     assert len(calls) >= 2
     assert all(call == {"map_location": "cpu", "weights_only": True} for call in calls), calls
+
+
+STEP_FAULTS = """
+import json, resource, sys, torch
+from engine.memory import keep_freed_host_memory
+
+torch.manual_seed(0)
+layer = torch.nn.Conv2d(3, 16, 3, padding=1)
+images = torch.randn(32, 3, 128, 128)  # activations of 32 MiB: above glibc's largest adaptive threshold
+applied = keep_freed_host_memory() if sys.argv[1] == "keep" else None
+faults = []
+for step in range(12):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    layer(images).relu().square().mean().backward()
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps({"applied": applied, "faults": faults}))
+"""
+ACTIVATION_PAGES = 32 * 16 * 128 * 128 * 4 // 4096  # one activation tensor, in 4 KiB pages
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc setting")
+@pytest.mark.parametrize(
+    "mode, launch_env, applied, reused",
+    [
+        ("keep", {}, True, True),
+        ("glibc defaults", {}, None, False),  # the control: without the setting, steps fault
+        ("keep", {"MALLOC_TRIM_THRESHOLD_": "131072"}, False, False),  # set at launch: it wins
+        ("keep", {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}, False, False),
+    ],
+)
+def test_steps_reuse_freed_host_memory_unless_set_at_launch(tmp_path, mode, launch_env, applied, reused):
+    script = tmp_path / "step_faults.py"
+    script.write_text(STEP_FAULTS)
+    result = run_script(str(script), [mode], env={"PYTHONPATH": str(machinery_project()), **launch_env})
+    run = json.loads(result.stdout.splitlines()[-1])
+    assert run["applied"] is applied
+    # After two steps the heap has about the step's size; it may still grow now and then
+    # (by a block or two, where freed blocks are too fragmented). Without the setting,
+    # every step faults in each of its large blocks: about 10 activations' worth.
+    steady = run["faults"][2:]
+    faulted_per_step = sum(steady) / len(steady) / ACTIVATION_PAGES
+    assert (faulted_per_step < 1) if reused else (faulted_per_step > 5), run["faults"]
 
 
 def test_garbage_collections_after_setup_skip_setup_objects():

@@ -3,6 +3,7 @@
 import gc
 import json
 import platform
+import resource
 
 import pytest
 import torch
@@ -88,7 +89,7 @@ for step in range(12):
     faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 print(json.dumps({"applied": applied, "faults": faults}))
 """
-ACTIVATION_PAGES = 32 * 16 * 128 * 128 * 4 // 4096  # one activation tensor, in 4 KiB pages
+ACTIVATION_PAGES = 32 * 16 * 128 * 128 * 4 // resource.getpagesize()  # one activation tensor, in pages
 
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc setting")

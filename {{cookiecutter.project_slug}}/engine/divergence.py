@@ -1,9 +1,11 @@
 """A run whose gradients become NaN or infinite has diverged: it must stop, with its last
 good checkpoint intact, instead of training on and saving non-finite weights as progress.
 
-Every optimizer step records whether its gradient norm is finite, on the device, so the
-default path never waits for it. `check` reads the record (a host sync) every
-train.log_every_steps steps and before every checkpoint, so nothing non-finite is saved.
+Every optimizer step keeps its gradient norm, a tensor on the device: nothing waits for
+it and no op runs per step. Every FOLD_EVERY steps, and at each `check`, the kept norms
+are reduced on the device to the first non-finite step. `check` reads that (a host sync)
+every train.log_every_steps steps and before every checkpoint, so nothing non-finite is
+saved.
 The gradients are all-reduced before the norm is taken, so every rank sees the same
 norm and decides alike.
 
@@ -22,6 +24,7 @@ from engine.config import TrainConfig, UsageError
 from engine.distributed import all_reduce_max
 
 MIN_FP16_SCALE = 2.0**-10  # 26 halvings below GradScaler's initial 2**16
+FOLD_EVERY = 100  # norms kept before they are reduced: a few ops per 100 steps, not 5 per step
 
 
 class DivergedError(UsageError):
@@ -32,6 +35,8 @@ class NonFiniteGuard:
     def __init__(self, train: TrainConfig, checkpoints: Path, lr: float, device: torch.device):
         self.max_bad_steps, self.checkpoints, self.lr = train.max_bad_steps, checkpoints, lr
         self.first_bad_step = torch.full((), -1, dtype=torch.int64, device=device)
+        self.norms: list[torch.Tensor] = []  # of consecutive steps, from `self.norms_from`
+        self.norms_from = 0
         self.skipped_steps = 0  # over the whole run: saved in checkpoints
 
     def skip_step(self, grad_norm: torch.Tensor, step: int) -> bool:
@@ -39,12 +44,10 @@ class NonFiniteGuard:
         the norm on the host at every step, so it is on only with train.max_bad_steps > 0."""
         if isinstance(grad_norm, DTensor):  # FSDP: the norm over every shard
             grad_norm = grad_norm.full_tensor()
-        bad = ~torch.isfinite(grad_norm)
         if self.max_bad_steps == 0:
-            first = self.first_bad_step
-            self.first_bad_step = torch.where(bad & (first < 0), torch.full_like(first, step), first)
+            self.keep(grad_norm, step)
             return False
-        if not bool(bad):
+        if bool(torch.isfinite(grad_norm)):
             return False
         self.skipped_steps += 1
         if self.skipped_steps > self.max_bad_steps:
@@ -52,9 +55,29 @@ class NonFiniteGuard:
             raise DivergedError(self.message(f"at step {step}, {skipped}"))
         return True
 
+    def keep(self, grad_norm: torch.Tensor, step: int) -> None:
+        if self.norms and step != self.norms_from + len(self.norms):
+            self.fold()  # not the next step (a resumed run): start a new run of steps
+        if not self.norms:
+            self.norms_from = step
+        self.norms.append(grad_norm)
+        if len(self.norms) >= FOLD_EVERY:
+            self.fold()
+
+    def fold(self) -> None:
+        """Reduce the kept norms into `first_bad_step`, on the device (no host sync)."""
+        if not self.norms:
+            return
+        bad = ~torch.isfinite(torch.stack(self.norms))
+        first_here = self.norms_from + bad.int().argmax()  # argmax: the first True
+        first = self.first_bad_step
+        self.first_bad_step = torch.where(bad.any() & (first < 0), first_here, first)
+        self.norms = []
+
     def check(self, scaler: torch.amp.GradScaler) -> None:
         """Stop every rank together if a step had non-finite gradients, or fp16's loss
         scale collapsed. Every rank must call this."""
+        self.fold()
         first_bad = all_reduce_max(int(self.first_bad_step), self.first_bad_step.device)
         if first_bad >= 0:
             raise DivergedError(self.message(f"at step {first_bad}"))

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import reference_config
-from engine.divergence import MIN_FP16_SCALE, DivergedError, NonFiniteGuard
+from engine.divergence import FOLD_EVERY, MIN_FP16_SCALE, DivergedError, NonFiniteGuard
 from engine.optim import build_optimizer, build_scheduler
 from engine.training import TrainState, optimizer_step
 
@@ -38,6 +38,28 @@ def test_a_non_finite_step_is_recorded_without_a_host_sync_then_stops_the_run(tm
     backward(state, float("inf"))
     optimizer_step(state, cfg.train)
     with pytest.raises(DivergedError, match=r"non-finite gradients at step 2; no checkpoint was saved before it"):
+        state.guard.check(state.scaler)
+
+
+@pytest.mark.parametrize(
+    "steps, bad, first",
+    [
+        (range(1, 2 * FOLD_EVERY + 8), {FOLD_EVERY + 5}, FOLD_EVERY + 5),  # in the second batch of norms
+        (range(1, 2 * FOLD_EVERY + 8), {3, 2 * FOLD_EVERY + 2}, 3),  # the first is kept across batches
+        (range(1, 2 * FOLD_EVERY + 8), {2 * FOLD_EVERY + 7}, 2 * FOLD_EVERY + 7),  # the last, not yet folded
+        ([*range(1, 30), *range(500, 540)], {520}, 520),  # steps resumed further on
+        (range(1, 2 * FOLD_EVERY + 8), set(), None),
+    ],
+)
+def test_the_first_non_finite_step_is_named_whatever_batch_of_norms_it_fell_in(tmp_path, steps, bad, first):
+    state, _ = make_state(tmp_path)
+    for step in steps:
+        state.guard.skip_step(torch.tensor(float("nan") if step in bad else 1.0), step)
+    if first is None:
+        state.guard.check(state.scaler)
+        assert len(state.guard.norms) == 0  # check reduced every kept norm
+        return
+    with pytest.raises(DivergedError, match=rf"non-finite gradients at step {first};"):
         state.guard.check(state.scaler)
 
 

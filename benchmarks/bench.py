@@ -1,10 +1,11 @@
 """Benchmark: the generated training loop against a minimal hand-written one.
 
 Bakes a project with the default answers, then, for each workload and process count,
-alternates runs of (a) its train.py and (b) benchmarks/handwritten.py with the same
-model, data, augmentation, optimizer recipe, batch and process count. Prints median step
+runs pairs of (a) its train.py and (b) benchmarks/handwritten.py with the same model,
+data, augmentation, optimizer recipe, batch and process count: side by side on a core
+each for one process, one after the other (order alternating) for more. Prints median step
 time with its spread over runs, samples/s, the minor page faults of the whole run, the
-a/b ratio of each back-to-back pair (and whether their spread overlaps 1.0), start-up +
+a/b ratio of each pair of runs (and whether their spread overlaps 1.0), start-up +
 teardown time, per-epoch time outside training steps, peak memory per rank, and whether
 both ended with the same weights. Then DDP vs FSDP peak memory on a larger model, and
 (with --switches) the effect of each speed switch.
@@ -17,13 +18,13 @@ import argparse
 import json
 import os
 import platform
-import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -85,48 +86,106 @@ def launcher(nproc: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
 
 
-def run(command: list[str], project: Path) -> tuple[str, float, int]:
-    """Run to the end; returns its output, wall time and minor page faults (all processes)."""
+@dataclass
+class Finished:
+    stdout: str
+    wall_s: float
+    faults: int  # minor page faults of the command and every process it waited for
+
+
+def start(command: list[str], project: Path, cpu: int | None = None) -> tuple[subprocess.Popen, float, Path]:
+    """Start a command, pinned to one core if `cpu` is given; its output goes to a file."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    faults_before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt
-    start = time.perf_counter()
-    result = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True)
-    wall = time.perf_counter() - start
-    if result.returncode != 0:
-        sys.exit(f"benchmark run failed: {' '.join(command)}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
-    return result.stdout, wall, resource.getrusage(resource.RUSAGE_CHILDREN).ru_minflt - faults_before
+    output = Path(tempfile.mkstemp(suffix=".log")[1])
+    pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
+    with output.open("w") as sink:
+        process = subprocess.Popen(
+            command, cwd=project, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True, preexec_fn=pin
+        )
+    return process, time.perf_counter(), output
 
 
-def run_generated(project: Path, nproc: int, out: Path, workload: list[str], extra=()) -> dict:
+def finish(started: tuple[subprocess.Popen, float, Path], command: list[str]) -> Finished:
+    """Wait for a started command; its own page faults, not those of commands beside it."""
+    process, start_time, output = started
+    _, status, usage = os.wait4(process.pid, 0)
+    wall = time.perf_counter() - start_time
+    process.returncode = os.waitstatus_to_exitcode(status)
+    text = output.read_text()
+    output.unlink()
+    if process.returncode != 0:
+        sys.exit(f"benchmark run failed: {' '.join(command)}\n{text[-6000:]}")
+    return Finished(text, wall, usage.ru_minflt)
+
+
+def run(command: list[str], project: Path) -> Finished:
+    return finish(start(command, project), command)
+
+
+def generated_command(nproc: int, out: Path, workload: list[str], extra=()) -> list[str]:
     shutil.rmtree(out, ignore_errors=True)
-    _, wall, faults = run([*launcher(nproc), "train.py", *workload, *extra, f"output_dir={out}"], project)
+    return [*launcher(nproc), "train.py", *workload, *extra, f"output_dir={out}"]
+
+
+def generated_result(out: Path, finished: Finished) -> dict:
     epochs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     inside = sum(e["train_time_s"] + e["outside_train_s"] for e in epochs)
     return {
         "step_s": statistics.median(e["step_time_median_s"] for e in epochs),
         "samples_per_s": statistics.mean(e["samples_per_s"] for e in epochs),
-        "startup_teardown_s": wall - inside,
+        "startup_teardown_s": finished.wall_s - inside,
         "outside_per_epoch_s": statistics.mean(e["outside_train_s"] for e in epochs),
         "rss_peak_mib": [row["rss_peak_mib"] for row in epochs[-1]["memory"]],
-        "faults": faults,
+        "faults": finished.faults,
         "weights": torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)["model"],
     }
 
 
-def run_handwritten(project: Path, nproc: int, out: Path, workload: list[str]) -> dict:
+def handwritten_command(nproc: int, out: Path, workload: list[str]) -> list[str]:
     out.mkdir(parents=True, exist_ok=True)
-    weights = out / "handwritten.pt"
-    stdout, wall, faults = run([*launcher(nproc), str(HANDWRITTEN), json.dumps(workload), str(weights)], project)
-    ranks = sorted((json.loads(line) for line in stdout.splitlines() if line.startswith("{")), key=lambda r: r["rank"])
+    return [*launcher(nproc), str(HANDWRITTEN), json.dumps(workload), str(out / "handwritten.pt")]
+
+
+def handwritten_result(out: Path, finished: Finished) -> dict:
+    lines = (line for line in finished.stdout.splitlines() if line.startswith("{"))
+    ranks = sorted((json.loads(line) for line in lines), key=lambda r: r["rank"])
     return {
         "step_s": ranks[0]["step_time_median_s"],
         "samples_per_s": ranks[0]["samples_per_s"],
-        "startup_teardown_s": wall - ranks[0]["train_time_s"],
+        "startup_teardown_s": finished.wall_s - ranks[0]["train_time_s"],
         "outside_per_epoch_s": 0.0,
         "rss_peak_mib": [r["rss_peak_mib"] for r in ranks],
-        "faults": faults,
-        "weights": torch.load(weights, map_location="cpu", weights_only=True),
+        "faults": finished.faults,
+        "weights": torch.load(out / "handwritten.pt", map_location="cpu", weights_only=True),
     }
+
+
+def run_generated(project: Path, nproc: int, out: Path, workload: list[str], extra=()) -> dict:
+    return generated_result(out, run(generated_command(nproc, out, workload, extra), project))
+
+
+def run_handwritten(project: Path, nproc: int, out: Path, workload: list[str]) -> dict:
+    return handwritten_result(out, run(handwritten_command(nproc, out, workload), project))
+
+
+def run_side_by_side(project: Path, work: Path, workload: list[str], swap: bool) -> tuple[dict, dict]:
+    """One process of each loop at the same time, each on its own core (swapped between
+    pairs): both see the same machine, whatever else it is doing then."""
+    cores = (1, 0) if swap else (0, 1)
+    a_out, b_out = work / "a1", work / "b1"
+    a_command, b_command = generated_command(1, a_out, workload), handwritten_command(1, b_out, workload)
+    a_started, b_started = start(a_command, project, cores[0]), start(b_command, project, cores[1])
+    a_finished, b_finished = finish(a_started, a_command), finish(b_started, b_command)
+    return generated_result(a_out, a_finished), handwritten_result(b_out, b_finished)
+
+
+def alternating(project: Path, work: Path, workload: list[str], nproc: int, swap: bool) -> tuple[dict, dict]:
+    """One run of each loop after the other, the order swapped between pairs to cancel drift."""
+    results = {}
+    for loop in ("b", "a") if swap else ("a", "b"):
+        runner = run_generated if loop == "a" else run_handwritten
+        results[loop] = runner(project, nproc, work / f"{loop}{nproc}", workload)
+    return results["a"], results["b"]
 
 
 def same_weights(a: dict, b: dict) -> str:
@@ -140,20 +199,27 @@ def same_weights(a: dict, b: dict) -> str:
 
 def compare_loops(project: Path, work: Path, repeats: int, case: str) -> None:
     title, workload, nprocs = CASES[case]
-    print(f"\n== {title}: generated loop (a) vs hand-written loop (b), {repeats} alternating runs each")
+    print(f"\n== {title}: generated loop (a) vs hand-written loop (b), {repeats} pairs of runs")
     print("   workload: " + " ".join(workload))
+    print(
+        "   1 process: a and b run side by side, one core each (swapped between pairs), so each pair shares the "
+        "machine's state;\n   more processes: a and b run one after the other, the order swapped between pairs"
+    )
     print("   step ms: median over runs of each run's median step (spread: min-max over runs)")
     print(
         f"{'procs':>5} {'loop':>4} {'step ms':>8} {'spread':>13} {'samples/s':>10} {'faults':>9} {'start+end s':>11} "
         f"{'outside/epoch s':>15}  peak RSS MiB per rank"
     )
+    side_by_side = (os.cpu_count() or 1) >= 2 and hasattr(os, "sched_setaffinity")
     for nproc in nprocs:
         results = {"a": [], "b": []}
         for repeat in range(repeats):
-            order = ("a", "b") if repeat % 2 == 0 else ("b", "a")  # alternate to cancel drift
-            for loop in order:
-                runner = run_generated if loop == "a" else run_handwritten
-                results[loop].append(runner(project, nproc, work / f"{loop}{nproc}", workload))
+            if nproc == 1 and side_by_side:
+                a, b = run_side_by_side(project, work, workload, swap=repeat % 2 == 1)
+            else:
+                a, b = alternating(project, work, workload, nproc, swap=repeat % 2 == 1)
+            results["a"].append(a)
+            results["b"].append(b)
         for loop in ("a", "b"):
             rows = results[loop]
             steps = [1e3 * r["step_s"] for r in rows]
@@ -169,9 +235,8 @@ def compare_loops(project: Path, work: Path, repeats: int, case: str) -> None:
 
 
 def ratio_line(results: dict) -> str:
-    """The a/b step-time ratio, with the spread of the back-to-back pairs (which share the
-    machine's state at the time) and what that spread allows one to say."""
-    median_a, median_b = (statistics.median(r["step_s"] for r in results[loop]) for loop in ("a", "b"))
+    """The a/b step-time ratio of each pair (the two runs of a pair share the machine's
+    state at the time), their median and spread, and what that spread allows one to say."""
     pairs = sorted(a["step_s"] / b["step_s"] for a, b in zip(results["a"], results["b"], strict=True))
     if pairs[0] <= 1.0 <= pairs[-1]:
         verdict = "the spread overlaps 1.0: no lead either way"
@@ -179,8 +244,9 @@ def ratio_line(results: dict) -> str:
         verdict = "generated faster" if pairs[-1] < 1.0 else "generated slower"
     weights = same_weights(results["a"][-1]["weights"], results["b"][-1]["weights"])
     return (
-        f"a/b median step-time ratio {median_a / median_b:.3f} (back-to-back pairs {pairs[0]:.3f}-{pairs[-1]:.3f}: "
-        f"{', '.join(f'{p:.3f}' for p in pairs)}); {verdict}; final weights: {weights}"
+        f"a/b step-time ratio {statistics.median(pairs):.3f}, median of {len(pairs)} pairs "
+        f"(spread {pairs[0]:.3f}-{pairs[-1]:.3f}: {', '.join(f'{p:.3f}' for p in pairs)}); {verdict}; "
+        f"final weights: {weights}"
     )
 
 
@@ -189,7 +255,7 @@ def compare_memory(project: Path, work: Path) -> None:
     big = ["model.hidden_dim=4096", "data.train_size=2048", "train.batch_size=32", "train.epochs=1"]
     for strategy in ("ddp", "fsdp"):
         out = work / strategy
-        run([*launcher(2), "train.py", *WORKLOAD, *big, f"train.strategy={strategy}", f"output_dir={out}"], project)
+        run(generated_command(2, out, [*WORKLOAD, *big, f"train.strategy={strategy}"]), project)
         memory = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["memory"]
         peaks = [row["rss_peak_mib"] for row in memory]
         now = [row["rss_mib"] for row in memory]

@@ -11,7 +11,7 @@ both ended with the same weights. Then DDP vs FSDP peak memory on a larger model
 (with --switches) the effect of each speed switch.
 
 It asserts nothing about time; it prints. Usage (from the template repo):
-    .venv/bin/python benchmarks/bench.py [--repeats 5] [--cases big small resnet] [--switches]
+    .venv/bin/python benchmarks/bench.py [--repeats 8] [--cases big small resnet] [--switches]
 """
 
 import argparse
@@ -168,15 +168,17 @@ def run_handwritten(project: Path, nproc: int, out: Path, workload: list[str]) -
     return handwritten_result(out, run(handwritten_command(nproc, out, workload), project))
 
 
-def run_side_by_side(project: Path, work: Path, workload: list[str], swap: bool) -> tuple[dict, dict]:
-    """One process of each loop at the same time, each on its own core (swapped between
-    pairs): both see the same machine, whatever else it is doing then."""
-    cores = (1, 0) if swap else (0, 1)
+def run_side_by_side(project: Path, work: Path, workload: list[str], pair: int) -> tuple[dict, dict]:
+    """One process of each loop at the same time, each on its own core: both see the same
+    machine, whatever else it is doing then. The cores swap every pair and which loop
+    starts first every two pairs, so neither a core nor a head start favours one loop."""
     a_out, b_out = work / "a1", work / "b1"
-    a_command, b_command = generated_command(1, a_out, workload), handwritten_command(1, b_out, workload)
-    a_started, b_started = start(a_command, project, cores[0]), start(b_command, project, cores[1])
-    a_finished, b_finished = finish(a_started, a_command), finish(b_started, b_command)
-    return generated_result(a_out, a_finished), handwritten_result(b_out, b_finished)
+    commands = {"a": generated_command(1, a_out, workload), "b": handwritten_command(1, b_out, workload)}
+    cores = {"a": pair % 2, "b": 1 - pair % 2}
+    order = ("b", "a") if pair // 2 % 2 else ("a", "b")
+    started = {loop: start(commands[loop], project, cores[loop]) for loop in order}
+    finished = {loop: finish(started[loop], commands[loop]) for loop in order}
+    return generated_result(a_out, finished["a"]), handwritten_result(b_out, finished["b"])
 
 
 def alternating(project: Path, work: Path, workload: list[str], nproc: int, swap: bool) -> tuple[dict, dict]:
@@ -202,8 +204,9 @@ def compare_loops(project: Path, work: Path, repeats: int, case: str) -> None:
     print(f"\n== {title}: generated loop (a) vs hand-written loop (b), {repeats} pairs of runs")
     print("   workload: " + " ".join(workload))
     print(
-        "   1 process: a and b run side by side, one core each (swapped between pairs), so each pair shares the "
-        "machine's state;\n   more processes: a and b run one after the other, the order swapped between pairs"
+        "   1 process: a and b run side by side, one core each (cores and start order swapped between pairs), so "
+        "each pair shares the machine's state;\n"
+        "   more processes: a and b run one after the other, the order swapped between pairs"
     )
     print("   step ms: median over runs of each run's median step (spread: min-max over runs)")
     print(
@@ -215,7 +218,7 @@ def compare_loops(project: Path, work: Path, repeats: int, case: str) -> None:
         results = {"a": [], "b": []}
         for repeat in range(repeats):
             if nproc == 1 and side_by_side:
-                a, b = run_side_by_side(project, work, workload, swap=repeat % 2 == 1)
+                a, b = run_side_by_side(project, work, workload, pair=repeat)
             else:
                 a, b = alternating(project, work, workload, nproc, swap=repeat % 2 == 1)
             results["a"].append(a)
@@ -281,7 +284,9 @@ def compare_switches(project: Path, work: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--repeats", type=int, default=8, help="pairs of runs per row (a multiple of 4 balances cores and start order)"
+    )
     parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
     parser.add_argument("--switches", action="store_true", help="also time each speed switch")
     args = parser.parse_args()

@@ -26,6 +26,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO
 
 import torch
 from cookiecutter.main import cookiecutter
@@ -87,42 +88,69 @@ def launcher(nproc: int) -> list[str]:
 
 
 @dataclass
+class Started:
+    command: list[str]
+    process: subprocess.Popen
+    start_s: float
+    stdout: IO[str]  # temporary files, not pipes: nothing to drain while waiting
+    stderr: IO[str]
+
+
+@dataclass
 class Finished:
     stdout: str
     wall_s: float
     faults: int  # minor page faults of the command and every process it waited for
 
 
-def start(command: list[str], project: Path, cpu: int | None = None) -> tuple[subprocess.Popen, float, Path]:
-    """Start a command, pinned to one core if `cpu` is given; its output goes to a file."""
+def start(command: list[str], project: Path, cpu: int | None = None) -> Started:
+    """Start a command, pinned to core `cpu` if given."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    output = Path(tempfile.mkstemp(suffix=".log")[1])
-    pin = (lambda: os.sched_setaffinity(0, {cpu})) if cpu is not None else None
-    with output.open("w") as sink:
-        process = subprocess.Popen(
-            command, cwd=project, env=env, stdout=sink, stderr=subprocess.STDOUT, text=True, preexec_fn=pin
-        )
-    return process, time.perf_counter(), output
+    stdout, stderr = tempfile.TemporaryFile("w+"), tempfile.TemporaryFile("w+")
+    process = subprocess.Popen(command, cwd=project, env=env, stdout=stdout, stderr=stderr)
+    if cpu is not None:
+        os.sched_setaffinity(process.pid, {cpu})  # at once: before it has imported anything
+    return Started(command, process, time.perf_counter(), stdout, stderr)
 
 
-def finish(started: tuple[subprocess.Popen, float, Path], command: list[str]) -> Finished:
-    """Wait for a started command; its own page faults, not those of commands beside it."""
-    process, start_time, output = started
-    _, status, usage = os.wait4(process.pid, 0)
-    wall = time.perf_counter() - start_time
-    process.returncode = os.waitstatus_to_exitcode(status)
-    text = output.read_text()
-    output.unlink()
-    if process.returncode != 0:
-        sys.exit(f"benchmark run failed: {' '.join(command)}\n{text[-6000:]}")
-    return Finished(text, wall, usage.ru_minflt)
+def wait_all(started: list[Started]) -> list[Finished]:
+    """Wait for started commands, each timed to its own end, with its own page faults
+    (wait4's, not those of commands beside it). A failure stops the rest and the bench."""
+    finished, pending = {}, list(started)
+    try:
+        while pending:
+            for run_ in list(pending):
+                pid, status, usage = os.wait4(run_.process.pid, os.WNOHANG)
+                if pid:
+                    # Tell Popen it has been reaped: it must not wait for this pid again.
+                    run_.process.returncode = os.waitstatus_to_exitcode(status)
+                    finished[id(run_)] = collect(run_, time.perf_counter() - run_.start_s, usage.ru_minflt)
+                    pending.remove(run_)
+            time.sleep(0.01)
+    finally:
+        for run_ in pending:
+            run_.process.kill()
+            run_.process.wait()
+    return [finished[id(run_)] for run_ in started]
+
+
+def collect(run_: Started, wall_s: float, faults: int) -> Finished:
+    run_.stdout.seek(0)
+    run_.stderr.seek(0)
+    stdout, stderr = run_.stdout.read(), run_.stderr.read()
+    run_.stdout.close()
+    run_.stderr.close()
+    if run_.process.returncode != 0:
+        sys.exit(f"benchmark run failed: {' '.join(run_.command)}\n{stdout[-3000:]}\n{stderr[-3000:]}")
+    return Finished(stdout, wall_s, faults)
 
 
 def run(command: list[str], project: Path) -> Finished:
-    return finish(start(command, project), command)
+    return wait_all([start(command, project)])[0]
 
 
 def generated_command(nproc: int, out: Path, workload: list[str], extra=()) -> list[str]:
+    """The command of a generated run into `out`, which this empties (no resume)."""
     shutil.rmtree(out, ignore_errors=True)
     return [*launcher(nproc), "train.py", *workload, *extra, f"output_dir={out}"]
 
@@ -142,6 +170,7 @@ def generated_result(out: Path, finished: Finished) -> dict:
 
 
 def handwritten_command(nproc: int, out: Path, workload: list[str]) -> list[str]:
+    """The command of a hand-written run writing its weights into `out`, which this creates."""
     out.mkdir(parents=True, exist_ok=True)
     return [*launcher(nproc), str(HANDWRITTEN), json.dumps(workload), str(out / "handwritten.pt")]
 
@@ -168,16 +197,15 @@ def run_handwritten(project: Path, nproc: int, out: Path, workload: list[str]) -
     return handwritten_result(out, run(handwritten_command(nproc, out, workload), project))
 
 
-def run_side_by_side(project: Path, work: Path, workload: list[str], pair: int) -> tuple[dict, dict]:
+def run_side_by_side(project: Path, work: Path, workload: list[str], pair: int, cores: list[int]):
     """One process of each loop at the same time, each on its own core: both see the same
     machine, whatever else it is doing then. The cores swap every pair and which loop
     starts first every two pairs, so neither a core nor a head start favours one loop."""
     a_out, b_out = work / "a1", work / "b1"
     commands = {"a": generated_command(1, a_out, workload), "b": handwritten_command(1, b_out, workload)}
-    cores = {"a": pair % 2, "b": 1 - pair % 2}
-    order = ("b", "a") if pair // 2 % 2 else ("a", "b")
-    started = {loop: start(commands[loop], project, cores[loop]) for loop in order}
-    finished = {loop: finish(started[loop], commands[loop]) for loop in order}
+    core = {"a": cores[pair % 2], "b": cores[1 - pair % 2]}
+    order = ["b", "a"] if pair // 2 % 2 else ["a", "b"]
+    finished = dict(zip(order, wait_all([start(commands[loop], project, core[loop]) for loop in order]), strict=True))
     return generated_result(a_out, finished["a"]), handwritten_result(b_out, finished["b"])
 
 
@@ -213,12 +241,12 @@ def compare_loops(project: Path, work: Path, repeats: int, case: str) -> None:
         f"{'procs':>5} {'loop':>4} {'step ms':>8} {'spread':>13} {'samples/s':>10} {'faults':>9} {'start+end s':>11} "
         f"{'outside/epoch s':>15}  peak RSS MiB per rank"
     )
-    side_by_side = (os.cpu_count() or 1) >= 2 and hasattr(os, "sched_setaffinity")
+    cores = sorted(os.sched_getaffinity(0))[:2] if hasattr(os, "sched_getaffinity") else []
     for nproc in nprocs:
         results = {"a": [], "b": []}
         for repeat in range(repeats):
-            if nproc == 1 and side_by_side:
-                a, b = run_side_by_side(project, work, workload, pair=repeat)
+            if nproc == 1 and len(cores) == 2:
+                a, b = run_side_by_side(project, work, workload, repeat, cores)
             else:
                 a, b = alternating(project, work, workload, nproc, swap=repeat % 2 == 1)
             results["a"].append(a)

@@ -2,7 +2,8 @@
 good checkpoint intact, instead of training on and saving non-finite weights as progress.
 
 Every optimizer step keeps its gradient norm, a tensor on the device: nothing waits for
-it and no op runs per step. Every FOLD_EVERY steps, and at each `check`, the kept norms
+it and the guard adds no op to the step (under FSDP the norm's shards are still summed
+at every step, on every rank alike). Every FOLD_EVERY steps, and at each `check`, the kept norms
 are reduced on the device to the first non-finite step. `check` reads that (a host sync)
 every train.log_every_steps steps and before every checkpoint, so nothing non-finite is
 saved.

@@ -41,26 +41,34 @@ def test_a_non_finite_step_is_recorded_without_a_host_sync_then_stops_the_run(tm
         state.guard.check(state.scaler)
 
 
+RUN = range(1, 2 * FOLD_EVERY + 8)  # two full batches of kept norms and a part
+RESUMED = [*range(1, 30), *range(500, 540)]  # a gap in the steps: a run resumed further on
+
+
 @pytest.mark.parametrize(
     "steps, bad, first",
     [
-        (range(1, 2 * FOLD_EVERY + 8), {FOLD_EVERY + 5}, FOLD_EVERY + 5),  # in the second batch of norms
-        (range(1, 2 * FOLD_EVERY + 8), {3, 2 * FOLD_EVERY + 2}, 3),  # the first is kept across batches
-        (range(1, 2 * FOLD_EVERY + 8), {2 * FOLD_EVERY + 7}, 2 * FOLD_EVERY + 7),  # the last, not yet folded
-        ([*range(1, 30), *range(500, 540)], {520}, 520),  # steps resumed further on
-        (range(1, 2 * FOLD_EVERY + 8), set(), None),
+        (RUN, {FOLD_EVERY}, FOLD_EVERY),  # the last of the first batch
+        (RUN, {FOLD_EVERY + 1}, FOLD_EVERY + 1),  # the first of the second
+        (RUN, {3, 2 * FOLD_EVERY + 2}, 3),  # the first is kept across batches
+        (RUN, {2 * FOLD_EVERY + 7}, 2 * FOLD_EVERY + 7),  # the last, not yet reduced
+        (RESUMED, {29}, 29),  # just before the gap
+        (RESUMED, {500, 520}, 500),  # just after it
+        (RUN, set(), None),
     ],
 )
 def test_the_first_non_finite_step_is_named_whatever_batch_of_norms_it_fell_in(tmp_path, steps, bad, first):
     state, _ = make_state(tmp_path)
     for step in steps:
-        state.guard.skip_step(torch.tensor(float("nan") if step in bad else 1.0), step)
+        norm = float("inf") if step % 2 else float("nan")
+        state.guard.skip_step(torch.tensor(norm if step in bad else 1.0), step)
     if first is None:
         state.guard.check(state.scaler)
-        assert len(state.guard.norms) == 0  # check reduced every kept norm
+        state.guard.check(state.scaler)  # twice: nothing is left over from the first
         return
-    with pytest.raises(DivergedError, match=rf"non-finite gradients at step {first};"):
-        state.guard.check(state.scaler)
+    for _ in range(2):  # and the step is named again by a later check
+        with pytest.raises(DivergedError, match=rf"non-finite gradients at step {first};"):
+            state.guard.check(state.scaler)
 
 
 def test_max_bad_steps_skips_the_update_then_stops(tmp_path):

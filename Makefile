@@ -20,7 +20,7 @@ demo: $(BIN)/.installed
 # Every test: the template's, and each generated project's own suite; two at a time
 # (the SLURM tests share one cluster, so they stay together on one worker).
 test: $(BIN)/.installed
-	$(BIN)/python -m pytest -n 2 --dist loadgroup tests
+	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=25 tests
 
 # Generated loop vs a hand-written one, DDP vs FSDP memory, speed switches. Prints figures.
 bench: $(BIN)/.installed

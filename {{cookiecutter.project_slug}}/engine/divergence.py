@@ -70,7 +70,7 @@ class NonFiniteGuard:
         if not self.norms:
             return
         bad = ~torch.isfinite(torch.stack(self.norms))
-        first_here = self.norms_from + bad.int().argmax()  # argmax: the first True
+        first_here = self.norms_from + (bad.cumsum(0) == 0).sum()  # steps before the first bad one
         first = self.first_bad_step
         self.first_bad_step = torch.where(bad.any() & (first < 0), first_here, first)
         self.norms = []

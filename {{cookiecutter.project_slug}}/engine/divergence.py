@@ -3,10 +3,10 @@ good checkpoint intact, instead of training on and saving non-finite weights as 
 
 Every optimizer step keeps its gradient norm, a tensor on the device: nothing waits for
 it and the guard adds no op to the step (under FSDP the norm's shards are still summed
-at every step, on every rank alike). Every FOLD_EVERY steps, and at each `check`, the kept norms
-are reduced on the device to the first non-finite step. `check` reads that (a host sync)
-every train.log_every_steps steps and before every checkpoint, so nothing non-finite is
-saved.
+at every step, on every rank alike). Every FOLD_EVERY steps, and at each `check`, the
+kept norms are reduced on the device to the first non-finite step. `check` reads that
+(a host sync) every train.log_every_steps steps and before every checkpoint, so nothing
+non-finite is saved.
 The gradients are all-reduced before the norm is taken, so every rank sees the same
 norm and decides alike.
 
@@ -58,7 +58,7 @@ class NonFiniteGuard:
 
     def keep(self, grad_norm: torch.Tensor, step: int) -> None:
         if self.norms and step != self.norms_from + len(self.norms):
-            self.fold()  # not the next step (a resumed run): start a new run of steps
+            self.fold()  # fold counts steps from norms_from: it needs them consecutive
         if not self.norms:
             self.norms_from = step
         self.norms.append(grad_norm)

@@ -42,7 +42,7 @@ def test_a_non_finite_step_is_recorded_without_a_host_sync_then_stops_the_run(tm
 
 
 RUN = range(1, 2 * FOLD_EVERY + 8)  # two full batches of kept norms and a part
-RESUMED = [*range(1, 30), *range(500, 540)]  # a gap in the steps: a run resumed further on
+RESUMED = [*range(1, 30), *range(500, 540)]  # a gap in the steps the guard is given
 
 
 @pytest.mark.parametrize(

@@ -23,10 +23,10 @@ from engine.distributed import (
     prepare_on_node_leaders,
     stop_all_if_any_fails,
 )
-from engine.evaluation import evaluate
 from engine.loader import build_val_loader
 from engine.logs import report_errors
 from engine.memory import keep_freed_host_memory
+from engine.metrics import evaluate
 from model import ModelConfig, build_metrics, build_model, validation_step
 
 

@@ -18,9 +18,8 @@ from torch.distributed.elastic.multiprocessing.errors import record
 
 import data
 from data import DataConfig, build_datasets, prepare_data
-from engine.batch import move_to_device
-from engine.checkpoint import Checkpointer, checkpoint_dir
-from engine.config import format_config, load_config, save_config
+from engine.checkpoint import Checkpointer
+from engine.config import effective_batch, format_config, load_config, save_config
 from engine.distributed import (
     barrier,
     broadcast_buffers,
@@ -31,10 +30,10 @@ from engine.distributed import (
     stop_all_if_any_fails,
 )
 from engine.divergence import NonFiniteGuard
-from engine.evaluation import evaluate
-from engine.loader import build_train_loader, build_val_loader, steps_per_epoch
-from engine.logs import RunLog, log, report_errors
+from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
+from engine.logs import QuietLog, RunLog, log, report_errors
 from engine.memory import freeze_setup_objects, keep_freed_host_memory, report_memory
+from engine.metrics import evaluate
 from engine.optim import (
     build_grad_scaler,
     build_optimizer,
@@ -46,15 +45,8 @@ from engine.optim import (
 from engine.parallel import memory_format, wrap_model
 from engine.preemption import StopRequest
 from engine.run_lock import RunLock
-from engine.seeding import derive_seed, seed_everything, set_determinism
-from engine.training import (
-    EpochStats,
-    TrainState,
-    forward_backward,
-    is_last_micro_batch,
-    optimizer_step,
-    samples_per_step,
-)
+from engine.seeding import capture_rng_state, derive_seed, restore_rng_state, seed_everything, set_determinism
+from engine.training import EpochStats, TrainState, forward_backward, optimizer_step
 from model import BLOCKS, ModelConfig, build_metrics, build_model, training_step, validation_step
 
 
@@ -83,10 +75,12 @@ def main(argv=None) -> None:
         stop = StopRequest(cfg.dist.timeout_minutes, cfg.train.stop_at_step).install()
         check_precision(cfg, device)
         set_determinism(cfg.train.deterministic, device)
-        train_loader, val_loader, state = load_train_objs(cfg, env, device)
         checkpointer = Checkpointer(cfg, env, device)
+        train_loader, val_loader, state = load_train_objs(cfg, env, device, checkpointer)
         rng_restored = checkpointer.resume(state)
-        run_log = start_run_log(cfg, env, state, train_loader, val_loader)  # rank 0's; None elsewhere
+        if cfg.train.sanity_check:
+            sanity_check(state, val_loader, cfg, checkpointer)
+        run_log = start_run_log(cfg, env, state, train_loader, val_loader)  # a QuietLog on ranks other than 0
 
         freeze_setup_objects()  # no full garbage collection pauses inside the steps
         keep_freed_host_memory()  # no page faults for the memory each step frees and takes again
@@ -95,35 +89,17 @@ def main(argv=None) -> None:
                 if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
                     seed_everything(derive_seed(cfg.seed, env.rank, state.epoch))
                 rng_restored = False
-                epoch_start = time.perf_counter()
                 train_metrics, finished = train_one_epoch(state, train_loader, cfg, stop, checkpointer, run_log)
                 if not finished:
                     checkpointer.save(state)
-                    if is_main():
-                        log(
-                            f"stopped at step {state.step} {stop.reason(state.step)}; checkpoint saved, "
-                            "run the same command to continue"
-                        )
+                    run_log.log(
+                        f"stopped at step {state.step} {stop.reason(state.step)}; checkpoint saved, "
+                        "run the same command to continue"
+                    )
                     break
-
-                if cfg.train.strategy == "ddp":
-                    broadcast_buffers(state.model)  # evaluate and save rank 0's BatchNorm statistics
-                metrics = build_metrics(cfg)
-                val_metrics = evaluate(state.model, val_loader, validation_step, metrics, device, cfg.train.precision)
-                memory = report_memory(device, f"epoch {state.epoch}")
-                state.epoch, state.batches_done = state.epoch + 1, 0
-                checkpointer.save(state, val_metrics)  # best.pt by checkpoint.best_metric
-
-                epoch_metrics = {"epoch": state.epoch - 1, "step": state.step, **train_metrics, **val_metrics}
-                epoch_metrics |= {"lr": state.scheduler.get_last_lr()[0], "memory": memory}
-                # Time outside training steps: evaluation, memory report, checkpoint.
-                epoch_metrics["outside_train_s"] = time.perf_counter() - epoch_start - train_metrics["train_time_s"]
-                with stop_all_if_any_fails(device):
-                    if is_main():
-                        run_log.write_epoch(epoch_metrics)
+                end_epoch(state, val_loader, cfg, checkpointer, run_log, train_metrics)
         finally:
-            if is_main():
-                run_log.close()  # what is still buffered reaches the disk, also on failure
+            run_log.close()  # what is still buffered reaches the disk, also on failure
         barrier(device)  # leave together: tearing down a group with peers mid-call can abort
     finally:
         gc.unfreeze()
@@ -132,7 +108,7 @@ def main(argv=None) -> None:
         cleanup_distributed()
 
 
-def load_train_objs(cfg, env, device):
+def load_train_objs(cfg, env, device, checkpointer: Checkpointer):
     """The run's data loaders and its TrainState (model, optimizer, schedule). The task
     itself is in data.py and model.py. Every rank must call this."""
     prepare_on_node_leaders(prepare_data, cfg, env, device)  # downloads: one process per node at a time
@@ -141,31 +117,46 @@ def load_train_objs(cfg, env, device):
     collate_fn = getattr(data, "collate_fn", None)  # data.py may define one
     train_loader = build_train_loader(train_set, cfg, env, device, collate_fn)
     val_loader = build_val_loader(val_set, cfg, env, device, collate_fn)
+    steps = steps_per_epoch(train_loader, cfg)
 
     seed_everything(cfg.seed)  # the same initial weights on every rank
     model, train_model = wrap_model(build_model(cfg), cfg, env, device, BLOCKS)  # SyncBatchNorm, device, DDP
     lr = scaled_lr(cfg.train, env.world_size)  # for the effective batch
     optimizer = build_optimizer(model, cfg.train, lr)
-    scheduler = build_scheduler(optimizer, cfg.train, steps_per_epoch(train_loader, cfg))
+    scheduler = build_scheduler(optimizer, cfg.train, steps)
     scaler = build_grad_scaler(cfg.train.precision, device)
-    guard = NonFiniteGuard(cfg.train, checkpoint_dir(cfg.output_dir), lr, device)
-    return train_loader, val_loader, TrainState(model, train_model, optimizer, scheduler, scaler, guard, device)
+    guard = NonFiniteGuard(cfg.train, checkpointer.last_good, lr, device)
+    state = TrainState(model, train_model, optimizer, scheduler, scaler, guard, device, cfg.train.accum_steps, steps)
+    return train_loader, val_loader, state
 
 
-def start_run_log(cfg, env, state: TrainState, train_loader, val_loader) -> RunLog | None:
-    """On rank 0: save the resolved config, say what runs, open the run's log. An
-    unwritable output_dir stops every rank here. Every rank must call this."""
-    run_log = None
+def sanity_check(state: TrainState, val_loader, cfg, checkpointer: Checkpointer) -> None:
+    """Run validation_step and every metric on each rank's first 2 validation batches, so
+    that a mistake there, or a checkpoint.best_metric the task does not report, stops the
+    run in seconds instead of after an epoch. It changes nothing: the model evaluates
+    (no BatchNorm update), no optimizer steps, and every RNG is put back as it was."""
+    rng = capture_rng_state()
+    metrics = build_metrics(cfg)
+    results = evaluate(state.model, val_loader, validation_step, metrics, state.device, cfg.train.precision, 2)
+    restore_rng_state(rng)
+    checkpointer.check_best_metric(results)
+
+
+def start_run_log(cfg, env, state: TrainState, train_loader, val_loader) -> RunLog | QuietLog:
+    """On rank 0: save the resolved config, say what runs, open the run's log; a QuietLog
+    elsewhere. An unwritable output_dir stops every rank here. Every rank must call this."""
+    run_log = QuietLog()
+    per_step = effective_batch(cfg.train, env.world_size)
     with stop_all_if_any_fails(state.device):
         if is_main():
             save_config(cfg, Path(cfg.output_dir) / "config.yaml")
             log(
                 f"training on {env.world_size} process(es), {state.device.type}, {cfg.train.strategy}; "
                 f"{len(train_loader.dataset)} train / {len(val_loader.dataset)} val samples; effective batch "
-                f"{samples_per_step(cfg)}; {steps_per_epoch(train_loader, cfg)} steps/epoch"
+                f"{per_step}; {state.steps_per_epoch} steps/epoch"
             )
-            log(describe_lr(cfg.train, env.world_size, steps_per_epoch(train_loader, cfg)))
-            run_log = RunLog(cfg, samples_per_step(cfg), start_step=state.step)
+            log(describe_lr(cfg.train, env.world_size, state.steps_per_epoch))
+            run_log = RunLog(cfg, per_step, start_step=state.step)
     return run_log
 
 
@@ -173,31 +164,46 @@ def train_one_epoch(state: TrainState, loader, cfg, stop: StopRequest, checkpoin
     """Train from `state.batches_done` to the end of `state.epoch`. Returns the epoch's
     train metrics, and whether the epoch finished (False: a stop was requested)."""
     loader.sampler.set_epoch(state.epoch, start_batch=state.batches_done)
-    if is_main():
-        done_steps = state.batches_done // cfg.train.accum_steps
-        progress = run_log.progress(state.epoch, steps_per_epoch(loader, cfg), done_steps)
+    progress = run_log.progress(state.epoch, state.steps_per_epoch, state.batches_done // state.accum_steps)
     stats = EpochStats(state.device)
     state.train_model.train()
     try:
         for batch in loader:
             batch = move_to_device(batch, state.device, memory_format(cfg))
-            losses = forward_backward(state, batch, training_step, cfg)  # the task's loss, then backward
+            losses = forward_backward(state, batch, training_step, cfg.train.precision)  # the task's loss, backward
             stats.add(losses)
-            if not is_last_micro_batch(state, cfg):
+            if not state.completes_step():
                 continue  # accumulate gradients
             optimizer_step(state, cfg.train)
             stats.step_done()
-            if is_main():
-                progress.update(state.step, losses["loss"], state.scheduler.get_last_lr()[0])
+            progress.update(state.step, losses["loss"], state.scheduler.get_last_lr()[0])
             if stop.requested(state.step):  # a signal to any rank, or train.stop_at_step
                 return stats.summary(cfg.train.batch_size), False
             if state.step % cfg.train.log_every_steps == 0:
                 state.guard.check(state.scaler)  # a NaN stops every rank here, or at the next save
             checkpointer.save_if_due(state)  # every checkpoint.every_steps
     finally:
-        if is_main():
-            progress.close()
+        progress.close()
     return stats.summary(cfg.train.batch_size), True
+
+
+def end_epoch(state: TrainState, val_loader, cfg, checkpointer: Checkpointer, run_log, train_metrics: dict) -> None:
+    """Evaluate the epoch's model, save it (best.pt too if it is the best so far), write
+    the epoch's row. Every rank must call this."""
+    start = time.perf_counter()
+    if cfg.train.strategy == "ddp":
+        broadcast_buffers(state.model)  # evaluate and save rank 0's BatchNorm statistics
+    val_metrics = evaluate(
+        state.model, val_loader, validation_step, build_metrics(cfg), state.device, cfg.train.precision
+    )
+    memory = report_memory(state.device, f"epoch {state.epoch}")
+    row = {"epoch": state.epoch, "step": state.step, **train_metrics, **val_metrics}
+    state.finish_epoch()
+    checkpointer.save(state, val_metrics)  # best.pt by checkpoint.best_metric
+    # outside_train_s: the time this takes (evaluation, memory report, checkpoint).
+    row |= {"lr": state.scheduler.get_last_lr()[0], "memory": memory, "outside_train_s": time.perf_counter() - start}
+    with stop_all_if_any_fails(state.device):
+        run_log.write_epoch(row)
 
 
 if __name__ == "__main__":

@@ -9,6 +9,7 @@ A checkpoint holds plain data only (tensors, numbers, strings, lists, dicts), so
 with `torch.load(weights_only=True)`, which refuses to run code hidden in a pickle.
 """
 
+import dataclasses
 import math
 import os
 import re
@@ -19,18 +20,15 @@ from pathlib import Path
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from engine.config import Config, UsageError, to_dict
+from engine.config import Config, effective_batch
 from engine.distributed import DistEnv, all_gather_objects, is_main, stop_all_if_any_fails
+from engine.errors import CheckpointError, UsageError
 from engine.logs import log
 from engine.optim import scaled_lr
 from engine.seeding import capture_rng_state, restore_rng_state
 
 STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
 PREFIXES = ("module.", "_orig_mod.")  # added by DDP and torch.compile wrappers
-
-
-class CheckpointError(UsageError):
-    pass
 
 
 def checkpoint_dir(output_dir: str | Path) -> Path:
@@ -205,7 +203,7 @@ class Checkpointer:
         state.guard.check(state.scaler)  # never save non-finite weights: stop instead
         is_best = val_metrics is not None and self.is_new_best(state, val_metrics)
         rng_states = all_gather_objects(capture_rng_state())
-        payload = {**state.state_dict(), "config": to_dict(self.cfg), "world_size": self.env.world_size}
+        payload = {**state.state_dict(), "config": dataclasses.asdict(self.cfg), "world_size": self.env.world_size}
         payload["rng"] = rng_states
         keep_last = self.cfg.checkpoint.keep_last
         try:
@@ -218,16 +216,30 @@ class Checkpointer:
                 "(earlier checkpoints are intact)"
             ) from None
 
-    def is_new_best(self, state, val_metrics: dict) -> bool:
-        """Whether `val_metrics` beat the best so far (then recorded in `state`). Every
-        rank decides alike: the metrics are the same on every rank."""
-        name, mode = self.cfg.checkpoint.best_metric, self.cfg.checkpoint.best_mode
+    def last_good(self) -> str:
+        """Which checkpoint a run that stops now leaves (checkpoints are written only after
+        the non-finite check, so the newest one is good)."""
+        steps = step_checkpoints(self.directory)
+        if not steps:
+            return "no checkpoint was saved before it"
+        step = int(STEP_FILE.match(steps[-1].name).group(1))
+        return f"the last good checkpoint is {self.directory / 'last.pt'} (step {step}), kept"
+
+    def check_best_metric(self, val_metrics: dict) -> None:
+        """checkpoint.best_metric must be one of the metrics validation reports."""
+        name = self.cfg.checkpoint.best_metric
         if name not in val_metrics:
             known = ", ".join(key for key in val_metrics if key.startswith("val_"))
             raise CheckpointError(
                 f"checkpoint.best_metric is {name!r}, which this task does not report (it reports {known}); "
                 "set checkpoint.best_metric to one of them"
             )
+
+    def is_new_best(self, state, val_metrics: dict) -> bool:
+        """Whether `val_metrics` beat the best so far (then recorded in `state`). Every
+        rank decides alike: the metrics are the same on every rank."""
+        name, mode = self.cfg.checkpoint.best_metric, self.cfg.checkpoint.best_mode
+        self.check_best_metric(val_metrics)
         value, best = val_metrics[name], state.best_metric_value
         if best is not None and not (value > best if mode == "max" else value < best):
             return False
@@ -279,8 +291,7 @@ class Checkpointer:
             restore_rng_state(ckpt["rng"][self.env.rank])
             return True
         samples_done = state.batches_done * saved["batch_size"] * ckpt["world_size"]
-        effective_batch = train.batch_size * world_size * train.accum_steps
-        state.batches_done = samples_done // effective_batch * train.accum_steps
+        state.batches_done = samples_done // effective_batch(train, world_size) * train.accum_steps
         if is_main():
             log(
                 f"note: the checkpoint was written by {ckpt['world_size']} processes x batch {saved['batch_size']} x "
@@ -321,7 +332,7 @@ def config_changes(saved: dict, cfg: Config) -> list[str]:
     """'section.key: old -> new' for each setting that changes what the weights mean: the
     seed and the task's data and model sections, but for the keys each section lists in
     `may_change_on_resume` (e.g. where the files are, how they are augmented)."""
-    current = to_dict(cfg)
+    current = dataclasses.asdict(cfg)
     changes = [f"seed: {saved.get('seed')!r} -> {cfg.seed!r}"] if saved.get("seed") != cfg.seed else []
     for key in ("data", "model"):
         old, new = saved.get(key) or {}, current[key]

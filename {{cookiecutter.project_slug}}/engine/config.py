@@ -23,13 +23,7 @@ from typing import Any
 
 import yaml
 
-
-class UsageError(Exception):
-    """Bad input from the user (config, data, checkpoint): shown as one line, exit 2."""
-
-
-class ConfigError(UsageError):
-    pass
+from engine.errors import ConfigError
 
 
 @dataclass
@@ -55,7 +49,8 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute model.BLOCKS' activations in backward: less memory
     compile: bool = False  # torch.compile the model (slow first steps, faster later)
     channels_last: bool = False  # NHWC layout for 4-D batch tensors: faster convolutions on recent GPUs
-    eval_batch_size: int = 256  # per process
+    eval_batch_size: int = 256  # per process; fixed batches in dataset order: the same metrics on any world size
+    sanity_check: bool = True  # before training: validation_step and the metrics on 2 batches per process
     num_workers: int = 2  # DataLoader worker processes per process
     log_every_steps: int = 10
     tensorboard: bool = True  # curves in output_dir/tensorboard (rank 0; needs the tensorboard package)
@@ -82,6 +77,11 @@ class TrainConfig:
         check_choice("train.schedule", self.schedule, ("cosine", "step", "constant"))
         check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
         check_choice("train.strategy", self.strategy, ("ddp", "fsdp"))
+
+
+def effective_batch(train: TrainConfig, world_size: int) -> int:
+    """Samples per optimizer step: batch_size x processes x accum_steps."""
+    return train.batch_size * world_size * train.accum_steps
 
 
 @dataclass
@@ -277,10 +277,6 @@ def suggestion(key: str, sections: dict[str, type]) -> str:
         leaf = key.rsplit(".", 1)[-1]
         close = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
     return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def to_dict(cfg: Config) -> dict:
-    return dataclasses.asdict(cfg)
 
 
 def field_comments(cls: type) -> dict[str, str]:

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from engine.config import ConfigError, DistConfig, UsageError
+from engine.config import DistConfig
+from engine.errors import ConfigError, PeerFailed, UsageError
 
 
 @dataclass(frozen=True)
@@ -28,7 +29,6 @@ class DistEnv:
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
-    local_world_size: int = 1
     launcher: str = "none"  # none | torchrun | slurm
     master_addr: str = ""  # slurm only: torchrun passes its own through env://
     master_port: int = 0
@@ -45,21 +45,17 @@ def parse_dist_env(environ: Mapping[str, str]) -> DistEnv:
             rank=int(environ["RANK"]),
             world_size=int(environ["WORLD_SIZE"]),
             local_rank=int(environ.get("LOCAL_RANK", 0)),
-            local_world_size=int(environ.get("LOCAL_WORLD_SIZE", 1)),
             launcher="torchrun",
         )
     # SLURM_STEP_ID is set by srun only: a plain `python train.py` in a batch script
     # (which also sees SLURM_NTASKS) must stay a single process, not wait for peers.
     if "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ:
         world_size = int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", 1)))
-        nodes = max(1, int(environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES", 1))))
         nodelist = environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_JOB_NODELIST", ""))
         return DistEnv(
             rank=int(environ["SLURM_PROCID"]),
             world_size=world_size,
             local_rank=int(environ.get("SLURM_LOCALID", 0)),
-            local_world_size=int(re.split(r"[(,]", environ.get("SLURM_STEP_TASKS_PER_NODE", "0"))[0])
-            or -(-world_size // nodes),
             launcher="slurm",
             master_addr=environ.get("MASTER_ADDR") or first_host(nodelist) or "127.0.0.1",
             master_port=int(environ.get("MASTER_PORT") or slurm_port(environ.get("SLURM_JOB_ID"))),
@@ -195,10 +191,6 @@ def all_reduce_max(value: int, device: torch.device) -> int:
     tensor = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
     return int(tensor.item())
-
-
-class PeerFailed(UsageError):
-    """Another process failed and reports why; this one just stops."""
 
 
 @contextlib.contextmanager

@@ -15,26 +15,23 @@ scale: that is normal. Such a run has diverged only when the scale has collapsed
 no scale makes the gradients finite.
 """
 
-from pathlib import Path
+from collections.abc import Callable
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from engine.checkpoint import STEP_FILE, step_checkpoints
-from engine.config import TrainConfig, UsageError
+from engine.config import TrainConfig
 from engine.distributed import all_reduce_max
+from engine.errors import DivergedError
 
 MIN_FP16_SCALE = 2.0**-10  # 26 halvings below GradScaler's initial 2**16
 FOLD_EVERY = 100  # norms kept before they are reduced: a few ops per 100 steps, not 5 per step
 
 
-class DivergedError(UsageError):
-    pass
-
-
 class NonFiniteGuard:
-    def __init__(self, train: TrainConfig, checkpoints: Path, lr: float, device: torch.device):
-        self.max_bad_steps, self.checkpoints, self.lr = train.max_bad_steps, checkpoints, lr
+    def __init__(self, train: TrainConfig, last_good: Callable[[], str], lr: float, device: torch.device):
+        """`last_good()` says which checkpoint the run leaves behind (the checkpointer's)."""
+        self.max_bad_steps, self.last_good, self.lr = train.max_bad_steps, last_good, lr
         self.first_bad_step = torch.full((), -1, dtype=torch.int64, device=device)
         self.norms: list[torch.Tensor] = []  # of consecutive steps, from `self.norms_from`
         self.norms_from = 0
@@ -91,11 +88,3 @@ class NonFiniteGuard:
             f"(this run: {self.lr:.4g}), a longer train.warmup_epochs, or train.grad_clip; "
             "train.max_bad_steps=N skips up to N such steps"
         )
-
-    def last_good(self) -> str:
-        """Checkpoints are written only after a check, so the newest one is good."""
-        steps = step_checkpoints(self.checkpoints)
-        if not steps:
-            return "no checkpoint was saved before it"
-        step = int(STEP_FILE.match(steps[-1].name).group(1))
-        return f"the last good checkpoint is {self.checkpoints / 'last.pt'} (step {step}), kept"

@@ -6,15 +6,22 @@ sees the same samples whatever the world size, as long as the effective batch
 (batch_size * world_size * accum_steps) is the same. Only whole optimizer steps are
 drawn; the tail of an epoch (fewer samples than one effective batch) is skipped.
 
-Evaluation: every sample exactly once, no padding, no dropped tail; ranks may get
-shards that differ in length by one.
+Evaluation: fixed batches in dataset order, dealt whole to ranks: every sample exactly
+once, no padding, no dropped tail, and the same batches on any number of processes.
+
+Batches may be of any structure: tensors, and lists, tuples, dicts, namedtuples and
+dataclasses of them, nested to any depth (`move_to_device`).
 """
+
+import dataclasses
+from collections.abc import Callable, Mapping
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
-from engine.config import Config, UsageError
+from engine.config import Config, effective_batch
 from engine.distributed import DistEnv
+from engine.errors import UsageError
 from engine.seeding import derive_seed, sample_seeds
 
 
@@ -73,33 +80,47 @@ class SeededSamples(Dataset):
             generator.set_state(caller_state)
 
 
-class ShardSampler(Sampler):
-    """Rank r evaluates indices r, r + world_size, ...: every sample once, none padded.
-    `yielded` counts the indices handed out since the last `iter()`."""
+class EvalBatches(Sampler):
+    """The validation set cut into fixed batches in dataset order (batch k holds samples
+    k * batch_size onwards), dealt whole to ranks: rank r evaluates batches r, r + N, ...
+    Every sample once, none padded, and a batch holds the same samples whatever the
+    number of processes N, so every sample's result has the same bits on any N."""
 
-    def __init__(self, length: int, env: DistEnv):
-        self.indices = range(env.rank, length, env.world_size)
-        self.yielded = 0
+    def __init__(self, length: int, batch_size: int, env: DistEnv):
+        self.length, self.batch_size = length, batch_size
+        self.rank, self.world_size = env.rank, env.world_size
+        self.num_batches = -(-length // batch_size)  # over all ranks
+        self.batch_ids = self.mine(self.num_batches)
+
+    def mine(self, num_batches: int) -> range:
+        """This rank's share of the first `num_batches` batches."""
+        return range(self.rank, num_batches, self.world_size)
+
+    def most_per_rank(self, num_batches: int) -> int:
+        """Batches of the busiest rank (rank 0) among the first `num_batches`."""
+        return -(-num_batches // self.world_size)
+
+    def samples_in(self, batch_id: int) -> int:
+        return min(self.batch_size, self.length - batch_id * self.batch_size)
 
     def __iter__(self):
-        self.yielded = 0
-        for index in self.indices:
-            self.yielded += 1
-            yield index
+        for batch_id in self.batch_ids:
+            start = batch_id * self.batch_size
+            yield list(range(start, start + self.samples_in(batch_id)))
 
     def __len__(self):
-        return len(self.indices)
+        return len(self.batch_ids)
 
 
 def micro_batches_per_epoch(dataset_size: int, cfg: Config, env: DistEnv) -> int:
     """Micro-batches each rank runs per epoch: whole optimizer steps only."""
-    effective_batch = cfg.train.batch_size * env.world_size * cfg.train.accum_steps
-    steps = dataset_size // effective_batch
+    per_step = effective_batch(cfg.train, env.world_size)
+    steps = dataset_size // per_step
     if steps == 0:
         raise UsageError(
             f"the training set has {dataset_size} samples, fewer than one effective batch "
             f"({cfg.train.batch_size} x {env.world_size} processes x {cfg.train.accum_steps} "
-            f"accum_steps = {effective_batch}); lower train.batch_size or train.accum_steps"
+            f"accum_steps = {per_step}); lower train.batch_size or train.accum_steps"
         )
     return steps * cfg.train.accum_steps
 
@@ -114,12 +135,14 @@ def build_train_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torc
     sampler = TrainSampler(
         dataset, env, cfg.seed, cfg.train.batch_size, micro_batches_per_epoch(len(dataset), cfg, env)
     )
-    return make_loader(SeededSamples(dataset), sampler, cfg.train.batch_size, cfg, device, collate_fn)
+    return make_loader(
+        SeededSamples(dataset), cfg, device, collate_fn, sampler=sampler, batch_size=cfg.train.batch_size
+    )
 
 
 def build_val_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device, collate_fn) -> DataLoader:
-    sampler = ShardSampler(len(dataset), env)
-    return make_loader(dataset, sampler, cfg.train.eval_batch_size, cfg, device, collate_fn)
+    batches = EvalBatches(len(dataset), cfg.train.eval_batch_size, env)
+    return make_loader(dataset, cfg, device, collate_fn, batch_sampler=batches)
 
 
 class RankDataLoader(DataLoader):
@@ -134,19 +157,53 @@ class RankDataLoader(DataLoader):
             raise
 
 
-def make_loader(dataset, sampler, batch_size: int, cfg: Config, device: torch.device, collate_fn) -> DataLoader:
+def make_loader(dataset, cfg: Config, device: torch.device, collate_fn, **sampling) -> DataLoader:
+    """`sampling`: sampler and batch_size, or a batch_sampler."""
     workers = cfg.train.num_workers
     return RankDataLoader(
         dataset,
-        batch_size=batch_size,
-        sampler=sampler,
+        **sampling,
         collate_fn=collate_fn,  # None: torch's default_collate
         num_workers=workers,
         pin_memory=device.type == "cuda",  # pinned host memory only helps copies to a GPU
         persistent_workers=workers > 0,  # no worker start-up cost at every epoch
         prefetch_factor=2 if workers > 0 else None,
-        drop_last=False,  # TrainSampler already yields whole batches only
         # Its own generator: creating an iterator must not draw from the global RNG, or
         # a resumed run's dropout would diverge from the uninterrupted run's.
         generator=torch.Generator().manual_seed(cfg.seed),
     )
+
+
+def map_leaves(obj, fn: Callable, is_leaf: Callable):
+    """`obj` rebuilt with `fn(leaf)` in place of every value where `is_leaf(value)`; other
+    values (numbers, strings, None) stay as they are."""
+    if is_leaf(obj):
+        return fn(obj)
+    if isinstance(obj, Mapping):
+        mapped = {key: map_leaves(value, fn, is_leaf) for key, value in obj.items()}
+        return mapped if type(obj) is dict else type(obj)(mapped)
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):  # a namedtuple
+        return type(obj)(*(map_leaves(value, fn, is_leaf) for value in obj))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(map_leaves(value, fn, is_leaf) for value in obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {f.name: map_leaves(getattr(obj, f.name), fn, is_leaf) for f in dataclasses.fields(obj) if f.init}
+        return dataclasses.replace(obj, **changes)
+    return obj
+
+
+def move_to_device(batch, device: torch.device, memory_format=torch.preserve_format):
+    """The batch with every tensor on `device`, and any other object with a `.to()`
+    (e.g. a tokenizer's output) moved by it. `memory_format` applies to 4-D tensors."""
+
+    def move(leaf):
+        if isinstance(leaf, torch.Tensor):
+            layout = memory_format if leaf.ndim == 4 else torch.preserve_format
+            return leaf.to(device, non_blocking=True, memory_format=layout)
+        return leaf.to(device)
+
+    return map_leaves(batch, move, has_to)
+
+
+def has_to(value) -> bool:
+    return isinstance(value, torch.Tensor) or callable(getattr(value, "to", None))

@@ -1,6 +1,8 @@
 """What the run tells people: console lines, progress, metrics.jsonl and TensorBoard.
 
-Rank 0 reports; the caller decides, with `if is_main():` at the call site.
+Rank 0 reports: it holds the RunLog, and every other rank a QuietLog with the same
+methods doing nothing, so the loop reads the same on every rank. One-off lines elsewhere
+say `if is_main():` at the call site.
 """
 
 import functools
@@ -13,8 +15,8 @@ from pathlib import Path
 import torch.distributed
 from tqdm import tqdm
 
-from engine.config import UsageError
 from engine.distributed import PeerFailed, get_rank, is_main
+from engine.errors import UsageError
 
 
 def log(message: str) -> None:
@@ -77,6 +79,9 @@ class RunLog:
     def progress(self, epoch: int, total_steps: int, done_steps: int) -> Progress:
         return Progress(self, epoch, total_steps, done_steps)
 
+    def log(self, message: str) -> None:
+        log(message)
+
     def add_scalars(self, step: int, scalars: dict) -> None:
         if self.writer is not None:
             for tag, value in scalars.items():
@@ -93,6 +98,25 @@ class RunLog:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()  # what is still buffered reaches the disk
+
+
+class QuietLog:
+    """A RunLog's calls, doing nothing: what ranks other than 0 hold."""
+
+    def progress(self, epoch: int, total_steps: int, done_steps: int) -> "QuietLog":
+        return self  # a progress bar's calls too
+
+    def update(self, step: int, loss, lr: float) -> None:
+        pass
+
+    def log(self, message: str) -> None:
+        pass
+
+    def write_epoch(self, metrics: dict) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
 
 
 def format_epoch(metrics: dict) -> str:

@@ -30,18 +30,17 @@ LAUNCH_VARIABLES = [f"MALLOC_{name.upper()}_" for name in SETTINGS]
 TUNABLES = [f"glibc.malloc.{name}" for name in SETTINGS]
 
 
-def memory_snapshot(device: torch.device, count_tensors: bool = True) -> dict:
+def memory_snapshot(device: torch.device) -> dict:
     """This process's memory in MiB: peak and current RSS, and its GPU's peaks on CUDA.
-    Counting live tensors walks every Python object (~0.1 s): skip it inside training."""
+    Counting live tensors walks every Python object (~0.1 s): call it between epochs."""
     page_mib = resource.getpagesize() / 2**20
     with open("/proc/self/statm") as f:
         rss_pages = int(f.read().split()[1])
     snapshot = {
         "rss_peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "rss_mib": round(rss_pages * page_mib, 1),
+        "live_tensors": count_live_tensors(),
     }
-    if count_tensors:
-        snapshot["live_tensors"] = count_live_tensors()
     if device.type == "cuda":
         snapshot["cuda_allocated_peak_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
         snapshot["cuda_reserved_peak_mib"] = round(torch.cuda.max_memory_reserved(device) / 2**20, 1)
@@ -104,9 +103,9 @@ def count_live_tensors() -> int:
     return count
 
 
-def gather_memory(device: torch.device, count_tensors: bool = True) -> list[dict]:
+def gather_memory(device: torch.device) -> list[dict]:
     """Every rank's snapshot, in rank order. Every rank must call this."""
-    return all_gather_objects(memory_snapshot(device, count_tensors))
+    return all_gather_objects(memory_snapshot(device))
 
 
 def memory_table(per_rank: list[dict]) -> str:
@@ -131,10 +130,10 @@ def imbalance_warning(per_rank: list[dict]) -> str | None:
     return None
 
 
-def report_memory(device: torch.device, when: str, count_tensors: bool = True) -> list[dict]:
+def report_memory(device: torch.device, when: str) -> list[dict]:
     """Gather every rank's memory; rank 0 logs a table and any imbalance. Every rank
     must call this. Returns the per-rank figures (for metrics.jsonl)."""
-    per_rank = gather_memory(device, count_tensors)
+    per_rank = gather_memory(device)
     if is_main():
         log(f"memory per rank, MiB ({when}):\n{memory_table(per_rank)}")
         warning = imbalance_warning(per_rank)

@@ -19,7 +19,8 @@ import math
 import torch
 import torch.nn as nn
 
-from engine.config import Config, ConfigError, TrainConfig
+from engine.config import Config, TrainConfig, effective_batch
+from engine.errors import ConfigError
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Below this many steps per epoch, the effective batch is a large share of the data: the
@@ -31,7 +32,7 @@ def scaled_lr(cfg: TrainConfig, world_size: int) -> float:
     """The run's base learning rate: train.lr scaled from reference_batch to the effective batch."""
     if not cfg.scale_lr:
         return cfg.lr
-    ratio = cfg.batch_size * world_size * cfg.accum_steps / cfg.reference_batch
+    ratio = effective_batch(cfg, world_size) / cfg.reference_batch
     return cfg.lr * (ratio if cfg.optimizer == "sgd" else math.sqrt(ratio))
 
 

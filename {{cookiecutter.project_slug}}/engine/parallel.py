@@ -66,7 +66,7 @@ def wrap_ddp_or_fsdp(model: nn.Module, cfg: Config, env: DistEnv, device: torch.
             fully_shard(block, offload_policy=offload)  # one all-gather per block, freed after use
         fully_shard(model, offload_policy=offload)
         return model
-    return DistributedDataParallel(
+    return ModelDDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: no copy
@@ -74,6 +74,21 @@ def wrap_ddp_or_fsdp(model: nn.Module, cfg: Config, env: DistEnv, device: torch.
         find_unused_parameters=cfg.dist.find_unused_parameters,
         bucket_cap_mb=cfg.dist.bucket_cap_mb,
     )
+
+
+class ModelDDP(DistributedDataParallel):
+    """DDP that also shows the wrapped model's attributes and methods, so training_step
+    reads `model.anything` on any number of processes, as on one. Calling the model runs
+    DDP's forward, which readies the gradient all-reduce: a step must call it, and
+    computing with parameters only through other methods would leave them unsynced."""
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # DDP's own, and its registered submodules
+        except AttributeError:
+            if name == "module":  # not set yet (inside DDP's __init__)
+                raise
+            return getattr(self.module, name)
 
 
 def checkpoint_activations(model: nn.Module, block_types: tuple[type, ...]) -> int:

@@ -24,15 +24,11 @@ import threading
 import time
 from pathlib import Path
 
-from engine.config import UsageError
+from engine.errors import OutputDirInUse
 
 HEARTBEAT_S = 30.0
 STALE_S = 120.0  # four missed heartbeats
 LOCK_NAME = "run.lock"
-
-
-class OutputDirInUse(UsageError):
-    pass
 
 
 def this_launch() -> str:

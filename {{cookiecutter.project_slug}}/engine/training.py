@@ -20,9 +20,10 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from engine.config import Config, TrainConfig, UsageError
-from engine.distributed import all_reduce_sum, get_world_size
+from engine.config import TrainConfig
+from engine.distributed import all_reduce_sum
 from engine.divergence import NonFiniteGuard
+from engine.errors import TaskError, UsageError
 from engine.optim import autocast
 
 FULL = StateDictOptions(full_state_dict=True)
@@ -40,6 +41,8 @@ class TrainState:
     scaler: torch.amp.GradScaler
     guard: NonFiniteGuard  # stops the run when gradients become non-finite
     device: torch.device  # where the model lives (not saved)
+    accum_steps: int = 1  # micro-batches per optimizer step (from the config: not saved)
+    steps_per_epoch: int = 1  # optimizer steps per epoch (from the data: not saved)
     epoch: int = 0  # epoch in progress
     batches_done: int = 0  # micro-batches of `epoch` already trained
     step: int = 0  # optimizer steps taken in the whole run
@@ -71,8 +74,21 @@ class TrainState:
         self.best_metric_value = state.get("best_metric_value")  # absent in older checkpoints
         self.guard.skipped_steps = state.get("skipped_steps", 0)
 
+    def start_micro_batch(self) -> None:
+        self.batches_done += 1
 
-def forward_backward(state: TrainState, batch, training_step, cfg: Config) -> dict[str, torch.Tensor]:
+    def completes_step(self) -> bool:
+        """Whether the micro-batch in progress is the last one of an optimizer step."""
+        return self.batches_done % self.accum_steps == 0
+
+    def step_done(self) -> None:
+        self.step += 1
+
+    def finish_epoch(self) -> None:
+        self.epoch, self.batches_done = self.epoch + 1, 0
+
+
+def forward_backward(state: TrainState, batch, training_step, precision: str) -> dict[str, torch.Tensor]:
     """Forward and backward of one micro-batch; returns its losses, detached: "loss" (what
     backward ran on) and, when `training_step` returns named losses, each of them.
 
@@ -80,10 +96,10 @@ def forward_backward(state: TrainState, batch, training_step, cfg: Config) -> di
     all-reduce) and averaged across ranks on the last one, so one optimizer step sees the
     mean loss over batch_size x world size x accum_steps samples.
     """
-    accum = cfg.train.accum_steps
-    state.batches_done += 1
-    with gradient_sync(state.train_model, enabled=is_last_micro_batch(state, cfg)):
-        with autocast(cfg.train.precision, state.device):
+    accum = state.accum_steps
+    state.start_micro_batch()
+    with gradient_sync(state.train_model, enabled=state.completes_step()):
+        with autocast(precision, state.device):
             losses = named_losses(call_training_step(training_step, state.train_model, batch))
         # Mean over the accumulated micro-batches (no extra op when there is one).
         state.scaler.scale(losses["loss"] / accum if accum > 1 else losses["loss"]).backward()
@@ -114,16 +130,34 @@ def unused_parameters_message(model: nn.Module, ddp_message: str) -> str:
 
 
 def named_losses(output) -> dict[str, torch.Tensor]:
-    """training_step's output as {"loss": total, name: loss, ...}."""
+    """training_step's output as {"loss": total, name: loss, ...}, each one number."""
     if isinstance(output, torch.Tensor):
+        check_loss("the loss training_step returned", output)
         return {"loss": output}
-    if isinstance(output, dict) and output and all(isinstance(v, torch.Tensor) for v in output.values()):
-        if "loss" in output:
-            raise UsageError('training_step returned a loss named "loss": that name is their sum; rename it')
-        return {"loss": sum(output.values()), **output}
-    raise UsageError(
-        f"training_step must return the loss (a tensor) or a dict of named loss tensors, not {type(output).__name__}"
-    )
+    if not isinstance(output, dict) or not output:
+        raise TaskError(
+            "training_step must return the loss (a tensor) or a dict of named loss tensors, "
+            f"not {type(output).__name__ if output != {} else 'an empty dict'}"
+        )
+    if "loss" in output:
+        raise TaskError('training_step returned a loss named "loss": that name is their sum; rename it')
+    for name, loss in output.items():
+        check_loss(f"training_step's loss {name!r}", loss)
+    return {"loss": sum(output.values()), **output}
+
+
+def check_loss(what: str, loss) -> None:
+    """A loss is a tensor holding one number: backward needs one, and the logs show one."""
+    if not isinstance(loss, torch.Tensor):
+        raise TaskError(
+            f"{what} is a {type(loss).__name__}, not a tensor; return tensors computed from the model's output "
+            "(leave out a term that is a constant)"
+        )
+    if loss.ndim != 0:
+        raise TaskError(
+            f"{what} has shape {list(loss.shape)}, not a single number (a 0-dim tensor); reduce it, e.g. with "
+            '.mean(), or with the loss function\'s default reduction="mean" instead of "none"'
+        )
 
 
 def gradient_sync(model: nn.Module, enabled: bool):
@@ -148,11 +182,6 @@ def fsdp_no_sync(model: FSDPModule):
         model.set_requires_gradient_sync(True)
 
 
-def is_last_micro_batch(state: TrainState, cfg: Config) -> bool:
-    """Whether the micro-batch just trained completes an optimizer step."""
-    return state.batches_done % cfg.train.accum_steps == 0
-
-
 def optimizer_step(state: TrainState, train: TrainConfig) -> None:
     """Clip, update, advance the schedule. The update of a step with non-finite gradients
     is skipped if train.max_bad_steps allows, else recorded for `state.guard.check`."""
@@ -169,7 +198,7 @@ def optimizer_step(state: TrainState, train: TrainConfig) -> None:
     state.scaler.update()
     state.optimizer.zero_grad(set_to_none=True)
     state.scheduler.step()
-    state.step += 1
+    state.step_done()
 
 
 class EpochStats:
@@ -208,8 +237,3 @@ class EpochStats:
             "step_time_median_s": statistics.median(step_times) if step_times else 0.0,
             "train_time_s": elapsed,
         }
-
-
-def samples_per_step(cfg: Config) -> int:
-    """The effective batch: batch_size x processes x accum_steps."""
-    return cfg.train.batch_size * get_world_size() * cfg.train.accum_steps

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import move_to_device
+from engine.loader import move_to_device
 
 META = torch.device("meta")  # a real second device on any machine: tensors there have no data
 Pair = namedtuple("Pair", ["left", "right"])

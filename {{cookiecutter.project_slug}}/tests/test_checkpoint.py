@@ -1,5 +1,5 @@
+import dataclasses
 import pickle
-from pathlib import Path
 
 import pytest
 import torch
@@ -13,7 +13,6 @@ from engine.checkpoint import (
     step_checkpoints,
     strip_prefixes,
 )
-from engine.config import to_dict
 from engine.divergence import NonFiniteGuard
 from engine.optim import build_grad_scaler, build_optimizer, build_scheduler
 from engine.seeding import capture_rng_state
@@ -31,12 +30,12 @@ def make_state(seed=0):
     optimizer.step()  # creates optimizer state tensors
     scheduler = build_scheduler(optimizer, cfg.train, steps_per_epoch=10)
     cpu = torch.device("cpu")
-    guard = NonFiniteGuard(cfg.train, checkpoints=Path("unused"), lr=cfg.train.lr, device=cpu)
+    guard = NonFiniteGuard(cfg.train, last_good=lambda: "", lr=cfg.train.lr, device=cpu)
     return TrainState(model, model, optimizer, scheduler, build_grad_scaler("fp32", cpu), guard, cpu), cfg
 
 
 def payload(state, cfg):
-    return {**state.state_dict(), "config": to_dict(cfg), "world_size": 1, "rng": [capture_rng_state()]}
+    return {**state.state_dict(), "config": dataclasses.asdict(cfg), "world_size": 1, "rng": [capture_rng_state()]}
 
 
 def test_round_trip_is_plain_data(tmp_path):
@@ -46,7 +45,7 @@ def test_round_trip_is_plain_data(tmp_path):
     assert torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) == []
     loaded = load_checkpoint(tmp_path / "last.pt")
     assert all(torch.equal(loaded["model"][k], v) for k, v in state.model.state_dict().items())
-    assert loaded["config"] == to_dict(cfg)
+    assert loaded["config"] == dataclasses.asdict(cfg)
     other, _ = make_state(seed=1)
     load_model_weights(other.model, loaded["model"], "last.pt")
     other.load_state_dict(loaded)

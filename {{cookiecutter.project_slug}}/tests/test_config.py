@@ -5,7 +5,8 @@ import pytest
 import yaml
 
 from conftest import PROJECT, REFERENCE_TASK, machinery_project, project_config, reference_config
-from engine.config import Config, ConfigError, save_config
+from engine.config import Config, save_config
+from engine.errors import ConfigError
 
 CONFIG_YAML = REFERENCE_TASK / "config.yaml"
 

@@ -1,7 +1,6 @@
 import pytest
 import torch
 
-from engine.config import ConfigError, UsageError
 from engine.distributed import (
     DistEnv,
     expand_nodelist,
@@ -9,6 +8,7 @@ from engine.distributed import (
     select_backend,
     select_device,
 )
+from engine.errors import ConfigError, UsageError
 from engine.parallel import use_sync_batchnorm
 
 
@@ -19,7 +19,7 @@ def test_plain_python_is_one_process():
 
 def test_torchrun_variables():
     env = parse_dist_env({"RANK": "5", "WORLD_SIZE": "8", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "4"})
-    assert (env.rank, env.world_size, env.local_rank, env.local_world_size, env.launcher) == (5, 8, 1, 4, "torchrun")
+    assert (env.rank, env.world_size, env.local_rank, env.launcher) == (5, 8, 1, "torchrun")
 
 
 SRUN_TASK = {
@@ -36,7 +36,7 @@ SRUN_TASK = {
 
 def test_srun_task():
     env = parse_dist_env(SRUN_TASK)
-    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (3, 4, 1, 2)
+    assert (env.rank, env.world_size, env.local_rank) == (3, 4, 1)
     assert env.launcher == "slurm" and env.master_addr == "gpu07"
     assert env.master_port == 20000 + 123456 % 20000
 

@@ -5,6 +5,8 @@ import pytest
 import torch
 
 from conftest import reference_config
+from engine.checkpoint import Checkpointer
+from engine.distributed import DistEnv
 from engine.divergence import FOLD_EVERY, MIN_FP16_SCALE, DivergedError, NonFiniteGuard
 from engine.optim import build_optimizer, build_scheduler
 from engine.training import TrainState, optimizer_step
@@ -13,13 +15,14 @@ CPU = torch.device("cpu")
 
 
 def make_state(tmp_path, precision="fp32", *overrides):
-    cfg = reference_config(None, ["train.grad_clip=0", *overrides])
+    cfg = reference_config(None, ["train.grad_clip=0", f"output_dir={tmp_path}", *overrides])
     model = torch.nn.Linear(3, 2)
     optimizer = build_optimizer(model, cfg.train, 0.1)
     scheduler = build_scheduler(optimizer, cfg.train, steps_per_epoch=10)
     # An enabled scaler stands for fp16 on CUDA: on the CPU it skips and rescales alike.
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
-    guard = NonFiniteGuard(cfg.train, tmp_path, lr=0.1, device=CPU)
+    last_good = Checkpointer(cfg, DistEnv(), CPU).last_good  # cfg's output_dir: none saved there
+    guard = NonFiniteGuard(cfg.train, last_good, lr=0.1, device=CPU)
     return TrainState(model, model, optimizer, scheduler, scaler, guard, CPU), cfg
 
 

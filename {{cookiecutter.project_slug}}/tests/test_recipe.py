@@ -1,12 +1,12 @@
 """The training recipe: train.lr scaled to the effective batch, warmup in epochs."""
 
+import dataclasses
 from itertools import pairwise
 
 import pytest
 import torch
 
 from conftest import reference_config
-from engine.config import to_dict
 from engine.optim import build_scheduler, describe_lr, lr_factor, scaled_lr, warmup_steps
 
 
@@ -58,7 +58,7 @@ def test_scheduler_starts_at_the_warmup_rate():
 
 def test_a_checkpoint_config_with_a_retired_key_still_loads():
     """Configs stored in checkpoints by an older engine (warmup was in steps) evaluate."""
-    stored = to_dict(reference_config(None, ["train.epochs=3"]))
+    stored = dataclasses.asdict(reference_config(None, ["train.epochs=3"]))
     stored["train"]["warmup_steps"] = 100
     cfg = reference_config(None, base=stored)
     assert cfg.train.epochs == 3 and not hasattr(cfg.train, "warmup_steps")

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 from torchvision.transforms import v2
 
-from engine.config import ConfigError, UsageError, check_choice, check_positive
+from engine.config import check_choice, check_positive
+from engine.errors import ConfigError, UsageError
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 

@@ -27,7 +27,8 @@ from torchvision.models import resnet18
 from torchvision.models.resnet import BasicBlock
 
 from data import count_classes
-from engine.config import ConfigError, check_positive
+from engine.config import check_positive
+from engine.errors import ConfigError
 from engine.metrics import Mean
 
 

@@ -5,8 +5,8 @@ from conftest import project_config
 from data import DataError, build_datasets, prepare_data
 from engine.distributed import DistEnv
 from engine.loader import (
+    EvalBatches,
     SeededSamples,
-    ShardSampler,
     TrainSampler,
     micro_batches_per_epoch,
 )
@@ -80,10 +80,11 @@ def test_train_sampler_changes_order_every_epoch_and_resumes_mid_epoch():
     assert [i for _, i in sampler] == epoch1[24:] and len(sampler) == 40
 
 
-def test_eval_shards_cover_every_sample_once():
+def test_eval_batches_cover_every_sample_once_in_the_same_batches_on_any_world_size():
     for world_size in (1, 2, 3, 5):
-        shards = [list(ShardSampler(13, DistEnv(rank=r, world_size=world_size))) for r in range(world_size)]
-        assert sorted(sum(shards, [])) == list(range(13))
+        shares = [list(EvalBatches(13, 4, DistEnv(rank=r, world_size=world_size))) for r in range(world_size)]
+        batches = sorted(sum(shares, []))
+        assert batches == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12]]
 
 
 def test_every_sample_of_every_epoch_has_its_own_random_stream():

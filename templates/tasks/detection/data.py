@@ -30,7 +30,8 @@ from torch.utils.data import Dataset
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
-from engine.config import ConfigError, UsageError, check_choice, check_positive
+from engine.config import check_choice, check_positive
+from engine.errors import ConfigError, UsageError
 
 
 @dataclass

@@ -5,7 +5,7 @@ import torch
 
 from conftest import project_config
 from data import DataError, build_datasets, collate_fn
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.loader import SeededSamples
 from engine.seeding import derive_seed, sample_seeds
 

@@ -28,7 +28,7 @@ from torchvision.models.mobilenetv3 import InvertedResidual
 from torchvision.models.segmentation import lraspp_mobilenet_v3_large
 
 from data import IGNORE
-from engine.config import ConfigError
+from engine.errors import ConfigError
 from engine.metrics import Mean, Sum
 
 
@@ -77,7 +77,8 @@ def validation_step(model: nn.Module, batch, metrics: dict) -> None:
     losses = F.cross_entropy(logits, masks, ignore_index=IGNORE, reduction="none")
     valid = masks != IGNORE
     metrics["loss"].update((losses * valid).sum(dim=(1, 2)) / valid.sum(dim=(1, 2)).clamp(min=1))
-    metrics["confusion"].update(confusion_matrix(logits.argmax(dim=1), masks, logits.shape[1]))
+    # The batch's confusion matrix, a total over its pixels: count= says it is not one row per image.
+    metrics["confusion"].update(confusion_matrix(logits.argmax(dim=1), masks, logits.shape[1]), count=len(images))
 
 
 def confusion_matrix(predicted: torch.Tensor, target: torch.Tensor, num_classes: int) -> torch.Tensor:

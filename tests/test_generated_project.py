@@ -19,8 +19,10 @@ def test_generated_project_passes_its_own_ci_steps(tmp_path):
         line for name in ("Lint", "Test") for line in ci_step(project, name)["run"].splitlines() if line.strip()
     ]
     for command in commands:
+        # The generated suite took 27-40 min here (the longer on a busy machine): a generous
+        # limit, well inside CI's 90, until it is cut down (issue: tests in minutes).
         result = subprocess.run(
-            command, shell=True, cwd=project, env=TOOLS_ENV, capture_output=True, text=True, timeout=2400
+            command, shell=True, cwd=project, env=TOOLS_ENV, capture_output=True, text=True, timeout=3600
         )
         assert result.returncode == 0, f"{command}:\n{result.stdout[-6000:]}{result.stderr[-3000:]}"
     assert " passed" in result.stdout.splitlines()[-1]

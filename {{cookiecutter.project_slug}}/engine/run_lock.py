@@ -6,7 +6,7 @@ written there. It names the holder's host, pid, start time and launch, and rank 
 refreshes its modification time every HEARTBEAT_S seconds from a background thread.
 
 A lock found on disk is taken over, not obeyed, when its holder is gone:
-- the same launch: the same SLURM job (a requeue) or the same torchrun run id (an
+- the same launch: the same SLURM job (a requeue) or the same torchrun launch (an
   elastic restart), whose earlier processes are dead or being replaced;
 - the same host, and no process with the holder's pid is alive (a kill -9, a crash);
 - any host, and the lock has not been refreshed for STALE_S seconds (a dead node: on a
@@ -14,6 +14,14 @@ A lock found on disk is taken over, not obeyed, when its holder is gone:
   that the heartbeat stopped).
 Otherwise the run refuses at once, naming the holder. A lock left by a dead node on
 another host therefore blocks for at most STALE_S seconds.
+
+A torchrun launch is its run id (`--rdzv_id`) and the store its agents serve the workers
+(MASTER_ADDR:MASTER_PORT). The id alone is not enough: it is whatever the command line
+says, so two launches of one script share it. The store lives exactly as long as one
+launch, and a restart keeps it unless rank 0 moved to another node. Such a holder (the
+same run id, another store, another host) may be either kind, so it is watched: a
+heartbeat means a second launch, refused; silence for STALE_S means a restart, which
+takes the lock over.
 """
 
 import datetime
@@ -28,16 +36,20 @@ from engine.errors import OutputDirInUse
 
 HEARTBEAT_S = 30.0
 STALE_S = 120.0  # four missed heartbeats
+WATCH_S = 1.0  # how often a possible restart looks at its predecessor's heartbeat
 LOCK_NAME = "run.lock"
 
 
 def this_launch() -> str:
-    """What survives a restart of the same job: SLURM's job id, torchrun's run id."""
+    """What survives a restart of the same job, and only of it: SLURM's job id;
+    torchrun's run id with its store's address ("" for a run id torchrun made up)."""
     job = os.environ.get("SLURM_JOB_ID")
     if job:
         return f"slurm:{job}"
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    return f"torchrun:{run_id}" if run_id and run_id != "none" else ""
+    if not run_id or run_id == "none":
+        return ""
+    return f"torchrun:{run_id}@{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
 
 
 class RunLock:
@@ -56,9 +68,14 @@ class RunLock:
 
     def acquire(self) -> "RunLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        first_look = None  # (holder, modification time) of a holder being watched
         while not self.try_create():
-            holder = self.read_holder()
+            holder, modified = self.read_holder(), self.modified()
             if holder is not None and not self.is_stale(holder):
+                if self.may_be_my_restart(holder) and first_look in (None, (holder, modified)):
+                    first_look = first_look or (holder, modified)
+                    time.sleep(WATCH_S)  # until it is stale, or a heartbeat shows it alive
+                    continue
                 raise OutputDirInUse(
                     f"output_dir {str(self.path.parent)!r} is in use by the run on host {holder.get('host')}, "
                     f"pid {holder.get('pid')}, started {holder.get('started')}; wait for it or choose another "
@@ -88,15 +105,29 @@ class RunLock:
         except (OSError, ValueError):
             return {}
 
+    def modified(self) -> float | None:
+        try:
+            return self.path.stat().st_mtime
+        except FileNotFoundError:
+            return None
+
     def is_stale(self, holder: dict) -> bool:
         if holder.get("launch") and holder.get("launch") == self.me["launch"]:
             return True
         if holder.get("host") == self.me["host"] and not pid_alive(holder.get("pid")):
             return True
-        try:
-            return time.time() - self.path.stat().st_mtime > STALE_S
-        except FileNotFoundError:
-            return True
+        modified = self.modified()
+        return modified is None or time.time() - modified > STALE_S
+
+    def may_be_my_restart(self, holder: dict) -> bool:
+        """The same torchrun run id, another store, another host: a restart whose rank 0
+        moved to another node, or a second launch with the same --rdzv_id."""
+        run_id = self.me["launch"].partition("@")[0]
+        return (
+            run_id.startswith("torchrun:")
+            and str(holder.get("launch", "")).partition("@")[0] == run_id
+            and holder.get("host") != self.me["host"]
+        )
 
     def heartbeat(self) -> None:
         while not self.stop.wait(HEARTBEAT_S):

@@ -100,10 +100,12 @@ def machinery_project() -> Path:
 
 
 def command(script, args, nproc=None, torchrun_args=()):
-    """The command line for a script, under torchrun when `nproc` is set."""
+    """The command line for a script, under torchrun when `nproc` is set (standalone unless
+    `torchrun_args` name a rendezvous)."""
     launcher = [sys.executable]
     if nproc is not None:
-        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun_args]
+        rendezvous = [] if any(arg.startswith("--rdzv") for arg in torchrun_args) else ["--standalone"]
+        launcher += ["-m", "torch.distributed.run", *rendezvous, f"--nproc_per_node={nproc}", *torchrun_args]
     return [*launcher, script, *map(str, args)]
 
 

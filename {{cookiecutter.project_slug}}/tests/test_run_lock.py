@@ -5,18 +5,22 @@ import contextlib
 import json
 import os
 import signal
+import threading
 import time
 
 import pytest
 
 from conftest import FAST, children, run_script, start_script, wait_for_line
+from engine import run_lock
 from engine.run_lock import LOCK_NAME, STALE_S, OutputDirInUse, RunLock
 
 LONG = [*FAST, "data.train_size=8192", "train.log_every_steps=1", "train.epochs=50"]
+# The multi-node command of the README on one node: a fixed run id, each launch its own store.
+MYJOB = ("--rdzv_backend=c10d", "--rdzv_endpoint=localhost:0", "--rdzv_id=myjob")
 
 
-def start_long_run(out):
-    process, seen = start_script("train.py", [*LONG, f"output_dir={out}"], nproc=2), []
+def start_long_run(out, torchrun_args=()):
+    process, seen = start_script("train.py", [*LONG, f"output_dir={out}"], nproc=2, torchrun_args=torchrun_args), []
     wait_for_line(process, "step 2 ", seen)
     return process
 
@@ -31,17 +35,22 @@ def kill_job(process):
 
 @pytest.fixture(scope="module")
 def running(tmp_path_factory):
-    """A 2-process run that trains on in the background."""
+    """A 2-process run that trains on in the background, launched with --rdzv_id=myjob."""
     out = tmp_path_factory.mktemp("busy") / "run"
-    process = start_long_run(out)
+    process = start_long_run(out, MYJOB)
     yield out, process
     kill_job(process)
 
 
-@pytest.mark.parametrize("nproc", [None, 2])
-def test_a_second_run_on_a_busy_output_dir_refuses_before_writing(running, nproc):
+@pytest.mark.parametrize(
+    "nproc, torchrun_args",
+    [(None, ()), (2, ()), (2, MYJOB)],
+    ids=["python", "torchrun", "torchrun-same-rdzv-id"],
+)
+def test_a_second_run_on_a_busy_output_dir_refuses_before_writing(running, nproc, torchrun_args):
     out, first = running
-    result = run_script("train.py", [*FAST, f"output_dir={out}", "train.epochs=7"], nproc=nproc, check=False)
+    second = [*FAST, f"output_dir={out}", "train.epochs=7"]
+    result = run_script("train.py", second, nproc=nproc, torchrun_args=torchrun_args, check=False)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and result.returncode != 0, result.stderr
     holder = json.loads((out / LOCK_NAME).read_text())
@@ -92,19 +101,59 @@ def test_a_lock_of_a_dead_pid_on_this_host_is_taken_over(tmp_path):
     RunLock(tmp_path).acquire().release()
 
 
-@pytest.mark.parametrize(
-    "variable, value, launch",
-    [("SLURM_JOB_ID", "812", "slurm:812"), ("TORCHELASTIC_RUN_ID", "f00d", "torchrun:f00d")],
-)
-def test_the_same_launch_restarted_takes_its_lock_over(tmp_path, monkeypatch, variable, value, launch):
-    """A requeued SLURM job or an elastic restart: its earlier processes are gone or going."""
+def as_torchrun_rank_0(monkeypatch, run_id="f00d", store=("node-0", "4711")):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
-    monkeypatch.setenv(variable, value)
-    lock_held_by(tmp_path, launch=launch)
+    for variable, value in zip(("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"), (run_id, *store), strict=True):
+        monkeypatch.setenv(variable, value)
+
+
+@pytest.mark.parametrize(
+    "slurm_job, launch, other_launch",
+    [
+        ("812", "slurm:812", "slurm:8121"),  # another job
+        (None, "torchrun:f00d@node-0:4711", "torchrun:f00d1@node-0:4711"),  # another run id
+        (None, "torchrun:f00d@node-0:4711", "torchrun:f00d@node-0:4712"),  # another store: another launch
+    ],
+)
+def test_the_same_launch_restarted_takes_its_lock_over(tmp_path, monkeypatch, slurm_job, launch, other_launch):
+    """A requeued SLURM job or an elastic restart: its earlier processes are gone or going.
+    The holders here are alive as far as any other rule can tell: this host, a live pid."""
+    as_torchrun_rank_0(monkeypatch)
+    if slurm_job:
+        monkeypatch.setenv("SLURM_JOB_ID", slurm_job)
+    alive = {"host": os.uname().nodename, "pid": os.getppid()}
+    lock_held_by(tmp_path, launch=launch, **alive)
     RunLock(tmp_path).acquire().release()
-    lock_held_by(tmp_path, launch=launch + "1")  # another job
+    lock_held_by(tmp_path, launch=other_launch, **alive)
     with pytest.raises(OutputDirInUse):
         RunLock(tmp_path).acquire()
+
+
+def beating(path, beats=10, every_s=0.2):
+    """A live holder's heartbeat for a while: the lock's modification time moves on. Then it
+    stops, so a watch that missed the beats would end up taking the lock over."""
+    for _ in range(beats):
+        time.sleep(every_s)
+        os.utime(path)
+
+
+@pytest.mark.parametrize("alive", [True, False])
+def test_the_same_run_id_from_another_store_and_host_is_watched(tmp_path, monkeypatch, alive):
+    """Rank 0 of an elastic restart may come up on another node, with a new store; so may
+    rank 0 of a second launch with the same --rdzv_id. A heartbeat tells them apart."""
+    as_torchrun_rank_0(monkeypatch, store=("node-3", "5050"))
+    monkeypatch.setattr(run_lock, "STALE_S", 3.0)
+    monkeypatch.setattr(run_lock, "WATCH_S", 0.1)
+    path = lock_held_by(tmp_path, launch="torchrun:f00d@node-0:4711", age_s=1.0)
+    if alive:
+        heartbeat = threading.Thread(target=beating, args=(path,))
+        heartbeat.start()
+        with pytest.raises(OutputDirInUse, match="in use by the run on host node-7"):
+            RunLock(tmp_path).acquire()
+        heartbeat.join()
+    else:  # not stale when first seen (1 s old of 3): taken over only by waiting
+        RunLock(tmp_path).acquire().release()
+        assert not path.exists()
 
 
 def test_release_leaves_a_lock_that_is_no_longer_ours(tmp_path):

@@ -72,7 +72,7 @@ def main(argv=None) -> None:
         with stop_all_if_any_fails(device):
             if is_main():  # one run per output_dir, taken before anything is written there
                 lock = RunLock(cfg.output_dir).acquire()
-        stop = StopRequest(cfg.dist.timeout_minutes, cfg.train.stop_at_step).install()
+        stop = StopRequest(cfg.dist.timeout_minutes, cfg.train.stop_at_step).install(env.launcher)
         check_precision(cfg, device)
         set_determinism(cfg.train.deterministic, device)
         checkpointer = Checkpointer(cfg, env, device)

@@ -1,15 +1,26 @@
 """Stop cleanly when asked: SIGTERM (torchrun, SLURM, Kubernetes), SIGINT (Ctrl-C) or
-SIGUSR1 (SLURM's `--signal` warning before the time limit).
+SIGUSR1 (SLURM's `--signal` warning before the time limit); or when the launcher is gone.
 
 A signal may reach one process or all of them. Each process only notes it; at agreed
 optimizer steps all ranks compare notes (one tiny all-reduce) and stop together, so rank
 0 writes a step checkpoint that the next run resumes from exactly. torchrun kills workers
 30 s after its SIGTERM, so stopping must take well under that: under a second plus one
 step and one save.
+
+A launcher that dies without a word (torchrun's agent or srun's step killed with -9, an
+out-of-memory kill) sends nothing, and its workers live in sessions of their own: they
+would train on unsupervised, holding their GPUs. So each rank started by a launcher
+watches its parent process. When it goes, the rank notes a stop as for a signal, and
+exits by itself ORPHAN_GRACE_S later if the stop could not finish by then (a rank stuck
+in a collective with a dead peer). Its DataLoader workers follow: they exit when their
+rank does. A plain `python train.py` is not watched: its parent is a shell, which may
+close on purpose (nohup).
 """
 
 import datetime
+import os
 import signal
+import threading
 import time
 
 import torch
@@ -19,6 +30,10 @@ from engine.distributed import get_world_size, is_main
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 CHECK_EVERY_SECONDS = 0.5  # how often ranks compare notes: a few hundred us each time
+LAUNCHER_GONE = "the loss of its launcher"
+PARENT_CHECK_S = 1.0  # how often a rank looks for its launcher: one getppid() call
+ORPHAN_GRACE_S = 30.0  # as long as torchrun gives its workers between SIGTERM and SIGKILL
+ORPHAN_EXIT_CODE = 75  # EX_TEMPFAIL: run the same command again to continue
 
 
 class StopRequest:
@@ -34,12 +49,30 @@ class StopRequest:
         if get_world_size() > 1:
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
         self.next_check_step = 0
+        self.parent = None  # the launcher's pid, when there is one to watch
         self.last_check = None  # (step, time) of the previous comparison
 
-    def install(self) -> "StopRequest":
+    def install(self, launcher: str) -> "StopRequest":
+        """Handle the stop signals; under a launcher (torchrun, srun), watch it too."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self.handle)
+        if launcher != "none":
+            self.parent = os.getppid()
+            threading.Thread(target=self.watch_launcher, name="launcher-watch", daemon=True).start()
         return self
+
+    def launcher_gone(self) -> bool:
+        """Whether this process was handed to another parent: its launcher died."""
+        return self.parent is not None and os.getppid() != self.parent
+
+    def watch_launcher(self) -> None:
+        """Note a stop when the launcher is gone, and end the process if it is still here
+        ORPHAN_GRACE_S later."""
+        while not self.launcher_gone():
+            time.sleep(PARENT_CHECK_S)
+        self.signal_name = self.signal_name or LAUNCHER_GONE
+        time.sleep(ORPHAN_GRACE_S)
+        os._exit(ORPHAN_EXIT_CODE)  # the stop did not finish: leave without its checkpoint
 
     def handle(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.signal_name:
@@ -54,7 +87,9 @@ class StopRequest:
     def reason(self, step: int) -> str:
         if step == self.stop_at_step and not self.signal_name:
             return "at train.stop_at_step"
-        return f"by {self.signal_name or 'a signal to another process'}"
+        if self.signal_name:
+            return f"by {self.signal_name}"
+        return f"by {LAUNCHER_GONE if self.launcher_gone() else 'a signal to another process'}"
 
     def agreed(self, step: int) -> bool:
         """Whether any rank got a stop signal. Every rank must call this after every step.

@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,6 +20,7 @@ from conftest import (
     FAST,
     children,
     clean_env,
+    command,
     finish,
     free_port,
     machinery_project,
@@ -192,6 +194,87 @@ def test_killed_worker_is_restarted_and_finishes_exactly(tmp_path, uninterrupted
     assert process.returncode == 0, output
     assert "resumed from" in output
     assert_same_state(uninterrupted, last(out))
+
+
+def descendants(pid: int) -> list[int]:
+    found = children(pid)
+    return found + [grandchild for child in found for grandchild in descendants(child)]
+
+
+def running(pid: int) -> bool:
+    """Alive and not a zombie: an orphan that exited may wait unreaped under pid 1."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] not in "ZX"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_with_workers(tmp_path_factory):
+    """The reference with 2 DataLoader workers per rank (they draw the augmentation)."""
+    out = tmp_path_factory.mktemp("uninterrupted_with_workers")
+    args = [*LONG, f"output_dir={out}", f"train.stop_at_step={END}", "train.num_workers=2"]
+    run_script("train.py", args, nproc=2)
+    return last(out)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_dead_launcher_leaves_no_process_and_loses_no_step(tmp_path, request, workers):
+    """SIGKILL to torchrun's agent: nothing tells its workers (they sit in sessions of their
+    own). They notice the loss of their parent, stop together with a checkpoint at their
+    last step, and exit with their DataLoader workers; the relaunch ends bitwise."""
+    out = tmp_path / "run"
+    args = [*LONG, f"output_dir={out}", f"train.stop_at_step={END}", f"train.num_workers={workers}"]
+    log = tmp_path / "log.txt"
+    with log.open("w") as sink:  # not a pipe: orphans writing to a pipe nobody reads would block
+        agent = subprocess.Popen(
+            command("train.py", args, nproc=2),
+            cwd=machinery_project(),
+            env=clean_env(),
+            stdout=sink,
+            stderr=subprocess.STDOUT,
+        )
+    deadline = time.monotonic() + 120
+    while "step 5 " not in log.read_text() and time.monotonic() < deadline and agent.poll() is None:
+        time.sleep(0.2)
+    run = descendants(agent.pid)
+    assert len(run) >= 2 + 2 * workers, log.read_text()  # ranks and their DataLoader workers
+    agent.kill()
+    agent.wait()
+    killed = time.monotonic()
+    while any(map(running, run)) and time.monotonic() - killed < 60:
+        time.sleep(0.5)
+    left = [pid for pid in run if running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    output = log.read_text()
+    assert not left, f"{len(left)} processes of the run still there 60 s after the agent died\n{output}"
+    stopped_at = last(out)["step"]
+    assert 5 <= stopped_at < END
+    assert f"stopped at step {stopped_at} by the loss of its launcher; checkpoint saved" in output
+
+    run_script("train.py", args, nproc=2)
+    reference = request.getfixturevalue("uninterrupted_with_workers" if workers else "uninterrupted")
+    assert_same_state(reference, last(out))
+
+
+def test_a_killed_single_process_run_leaves_no_dataloader_worker(tmp_path):
+    """`python train.py` killed with -9: its DataLoader workers see their parent gone and exit."""
+    args = [*LONG, f"output_dir={tmp_path / 'run'}", "train.num_workers=2"]
+    process, seen = start_script("train.py", args), []
+    wait_for_line(process, "step 5 ", seen)
+    workers = descendants(process.pid)
+    assert len(workers) >= 2
+    process.kill()
+    process.communicate()
+    killed = time.monotonic()
+    while any(map(running, workers)) and time.monotonic() - killed < 60:
+        time.sleep(0.5)
+    left = [pid for pid in workers if running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"{len(left)} DataLoader workers still there 60 s after their rank died"
 
 
 # -- 6. no hangs ------------------------------------------------------------------------------

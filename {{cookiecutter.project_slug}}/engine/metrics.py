@@ -240,8 +240,8 @@ def evaluate(model: nn.Module, loader, validation_step, metrics: dict, device, p
     metrics = check_metrics(metrics)
     plan = loader.batch_sampler
     spare_metrics = copy.deepcopy(metrics)  # still empty: the FSDP padding's throwaway
-    mine = plan.batch_ids if max_batches is None else plan.batch_ids[:max_batches]
-    num_batches = plan.num_batches if max_batches is None else min(plan.num_batches, max_batches * get_world_size())
+    num_batches = plan.num_batches if max_batches is None else min(plan.num_batches, max_batches * plan.world_size)
+    mine = plan.mine(num_batches)
     model.eval()
     # A failing validation_step stops every rank, none is left waiting (under FSDP only
     # if it fails on every rank alike: the others wait in a forward's all-gather).

@@ -39,12 +39,52 @@ def memory_snapshot(device: torch.device) -> dict:
     snapshot = {
         "rss_peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "rss_mib": round(rss_pages * page_mib, 1),
+        **c_heap_mib(),
         "live_tensors": count_live_tensors(),
     }
     if device.type == "cuda":
         snapshot["cuda_allocated_peak_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
         snapshot["cuda_reserved_peak_mib"] = round(torch.cuda.max_memory_reserved(device) / 2**20, 1)
     return snapshot
+
+
+class MallInfo2(ctypes.Structure):
+    """glibc's struct mallinfo2 (glibc 2.33 and later), all fields size_t."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def c_heap_mib() -> dict:
+    """The C heap in MiB, from glibc's mallinfo2: what is handed out (`heap_used_mib`,
+    tensor storage among it) and what is free but kept (`heap_kept_mib`, the cache
+    `keep_freed_host_memory` asks for). RSS is roughly both plus Python's own small
+    objects and the libraries; it cannot tell a cache from a leak, these can. Empty where
+    there is no glibc 2.33."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return {}
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2"):
+        return {}
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return {
+        "heap_used_mib": round((info.uordblks + info.hblkhd) / 2**20, 1),
+        "heap_kept_mib": round(info.fordblks / 2**20, 1),
+    }
 
 
 def freeze_setup_objects() -> None:

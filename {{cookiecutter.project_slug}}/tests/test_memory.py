@@ -136,10 +136,40 @@ def test_memory_stays_flat_over_epochs(tmp_path):
     run_script("train.py", [*FAST, "train.num_workers=2", "train.epochs=6", f"output_dir={out}"], nproc=2)
     epochs = read_metrics(out)
     for rank in (0, 1):
-        rss = [m["memory"][rank]["rss_mib"] for m in epochs[1:]]
-        tensors = [m["memory"][rank]["live_tensors"] for m in epochs[1:]]
-        assert max(rss) - rss[0] < 25, f"rank {rank} RSS grew: {rss}"
+        rss, used, kept, tensors = (
+            [m["memory"][rank][key] for m in epochs[1:]]
+            for key in ("rss_mib", "heap_used_mib", "heap_kept_mib", "live_tensors")
+        )
+        assert max(used) - used[0] < 25, f"rank {rank} C heap in use grew: {used}"
+        # RSS may grow by what glibc keeps free for reuse (a cache), not beyond it
+        grown_beyond_cache = [r - rss[0] - (k - kept[0]) for r, k in zip(rss, kept, strict=True)]
+        assert max(grown_beyond_cache) < 25, f"rank {rank} RSS grew beyond the heap's cache: {rss}, kept {kept}"
         assert max(tensors) - min(tensors) <= 2, f"rank {rank} live tensors changed: {tensors}"
+
+
+HEAP_FIGURES = """
+import json, torch
+from engine.memory import c_heap_mib, keep_freed_host_memory
+
+keep_freed_host_memory()
+before = c_heap_mib()
+held = [torch.ones(2**20) for _ in range(64)]  # 256 MiB of tensor storage in 4 MiB blocks
+holding = c_heap_mib()
+del held
+print(json.dumps([before, holding, c_heap_mib()]))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallinfo2")
+def test_the_c_heap_figures_tell_a_leak_from_a_cache(tmp_path):
+    """heap_used counts what is handed out; what is freed and kept moves to heap_kept."""
+    script = tmp_path / "heap_figures.py"
+    script.write_text(HEAP_FIGURES)
+    result = run_script(str(script), [], env={"PYTHONPATH": str(machinery_project())})
+    before, holding, after = json.loads(result.stdout.splitlines()[-1])
+    assert holding["heap_used_mib"] - before["heap_used_mib"] > 250
+    assert abs(after["heap_used_mib"] - before["heap_used_mib"]) < 10
+    assert after["heap_kept_mib"] - before["heap_kept_mib"] > 200  # what keep_freed_host_memory asks for
 
 
 def saved_activation_bytes(model, x):

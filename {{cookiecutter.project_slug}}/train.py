@@ -91,10 +91,11 @@ def main(argv=None) -> None:
                 rng_restored = False
                 train_metrics, finished = train_one_epoch(state, train_loader, cfg, stop, checkpointer, run_log)
                 if not finished:
+                    started = time.monotonic()  # the save's time: what a stop needs before a time limit
                     checkpointer.save(state)
                     run_log.log(
-                        f"stopped at step {state.step} {stop.reason(state.step)}; checkpoint saved, "
-                        "run the same command to continue"
+                        f"stopped at step {state.step} {stop.reason(state.step)}; checkpoint saved in "
+                        f"{time.monotonic() - started:.1f} s, run the same command to continue"
                     )
                     break
                 end_epoch(state, val_loader, cfg, checkpointer, run_log, train_metrics)

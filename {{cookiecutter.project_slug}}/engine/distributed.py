@@ -63,9 +63,15 @@ def parse_dist_env(environ: Mapping[str, str]) -> DistEnv:
     return DistEnv()
 
 
+# Below Linux's ephemeral range (32768-60999 by default), from which the kernel hands out
+# the local ports of outgoing connections: one of those could already hold the port. And
+# below torchrun's default 29500.
+SLURM_PORTS = range(12000, 29000)
+
+
 def slurm_port(job_id: str | None) -> int:
     """A port derived from the job id, so two jobs sharing a node do not collide."""
-    return 20000 + int(job_id or 0) % 20000
+    return SLURM_PORTS.start + int(job_id or 0) % len(SLURM_PORTS)
 
 
 def expand_nodelist(nodelist: str) -> list[str]:

@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -7,6 +9,7 @@ from engine.distributed import (
     parse_dist_env,
     select_backend,
     select_device,
+    slurm_port,
 )
 from engine.errors import ConfigError, UsageError
 from engine.parallel import use_sync_batchnorm
@@ -38,7 +41,15 @@ def test_srun_task():
     env = parse_dist_env(SRUN_TASK)
     assert (env.rank, env.world_size, env.local_rank) == (3, 4, 1)
     assert env.launcher == "slurm" and env.master_addr == "gpu07"
-    assert env.master_port == 20000 + 123456 % 20000
+    assert env.master_port == slurm_port("123456")
+
+
+def test_the_slurm_port_is_outside_the_kernels_ephemeral_range():
+    """Ports the kernel gives outgoing connections may be taken at any time."""
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    ports = {slurm_port(str(job)) for job in range(0, 10**6, 997)}
+    assert len(ports) > 900  # jobs sharing a node get different ports
+    assert not [port for port in ports if low <= port <= high or port == 29500]
 
 
 def test_torchrun_inside_slurm_uses_torchrun_variables():

@@ -105,9 +105,22 @@ def test_shipped_sbatch_script_trains(slurm, project, tmp_path):
     assert "training on 2 process(es)" in log and "epoch 0:" in log
 
 
-def test_usr1_before_time_limit_checkpoints_requeues_and_finishes(slurm, project, tmp_path):
+# What runs when SLURM's warning comes: (the run's settings, the log line to signal at).
+WHEN = {
+    "training": (["data.train_size=8192", "train.log_every_steps=5"], "step 20 "),
+    # 16 steps an epoch (512 samples, 16 per task, 2 tasks), then a long evaluation
+    "evaluation": (
+        ["data.train_size=512", "data.val_size=6000", "train.eval_batch_size=2", "train.log_every_steps=1"],
+        "epoch 0 step 16 ",
+    ),
+}
+
+
+@pytest.mark.parametrize("when", list(WHEN))
+def test_usr1_before_time_limit_checkpoints_requeues_and_finishes(slurm, project, tmp_path, when):
     out = tmp_path / "run"
-    args = [*FAST, "data.train_size=8192", "train.log_every_steps=5", "train.epochs=2", f"output_dir={out}"]
+    settings, signal_at = WHEN[when]
+    args = [*FAST, *settings, "train.epochs=2", f"output_dir={out}"]
     submitted = subprocess.run(
         ["sbatch", "--parsable", *ONE_NODE_TWO_TASKS, "scripts/slurm/train.sbatch", *args],
         cwd=project,
@@ -119,7 +132,7 @@ def test_usr1_before_time_limit_checkpoints_requeues_and_finishes(slurm, project
     )
     job_id = submitted.stdout.strip().split(";")[0]
     log = project / f"slurm-{job_id}.out"
-    wait_until(lambda: log.is_file() and "step 20 " in log.read_text(), 120, "training to start")
+    wait_until(lambda: log.is_file() and signal_at in log.read_text(), 120, f"{signal_at!r} in the log")
     # What SLURM does at --signal=B:USR1@90: signal the batch script.
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=slurm, check=True)
     wait_until(lambda: "JobState=COMPLETED" in job_info(job_id, slurm), 240, "the requeued job to finish")
@@ -130,6 +143,9 @@ def test_usr1_before_time_limit_checkpoints_requeues_and_finishes(slurm, project
     assert f"job {job_id} run 1" in text and "resumed from" in text
     assert "epoch 1:" in text
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    if when == "evaluation":
+        assert "the evaluation of epoch 0 stopped; the next run evaluates it again" in text
+        assert "stopped at step 16 by SIGUSR1" in text
 
 
 def srun(project, slurm, args, tasks=2):

@@ -90,6 +90,8 @@ def main(argv=None) -> None:
                     seed_everything(derive_seed(cfg.seed, env.rank, state.epoch))
                 rng_restored = False
                 train_metrics, finished = train_one_epoch(state, train_loader, cfg, stop, checkpointer, run_log)
+                if finished:  # and then evaluated and saved, unless a stop came during the evaluation
+                    finished = end_epoch(state, val_loader, cfg, stop, checkpointer, run_log, train_metrics)
                 if not finished:
                     started = time.monotonic()  # the save's time: what a stop needs before a time limit
                     checkpointer.save(state)
@@ -98,7 +100,6 @@ def main(argv=None) -> None:
                         f"{time.monotonic() - started:.1f} s, run the same command to continue"
                     )
                     break
-                end_epoch(state, val_loader, cfg, checkpointer, run_log, train_metrics)
         finally:
             run_log.close()  # what is still buffered reaches the disk, also on failure
         barrier(device)  # leave together: tearing down a group with peers mid-call can abort
@@ -188,15 +189,29 @@ def train_one_epoch(state: TrainState, loader, cfg, stop: StopRequest, checkpoin
     return stats.summary(cfg.train.batch_size), True
 
 
-def end_epoch(state: TrainState, val_loader, cfg, checkpointer: Checkpointer, run_log, train_metrics: dict) -> None:
+def end_epoch(state: TrainState, val_loader, cfg, stop: StopRequest, checkpointer, run_log, train_metrics) -> bool:
     """Evaluate the epoch's model, save it (best.pt too if it is the best so far), write
-    the epoch's row. Every rank must call this."""
+    the epoch's row. Every rank must call this. False if a stop came during the
+    evaluation: then the state is as before it (RNG too), for a checkpoint from which the
+    next run evaluates the epoch again."""
     start = time.perf_counter()
     if cfg.train.strategy == "ddp":
         broadcast_buffers(state.model)  # evaluate and save rank 0's BatchNorm statistics
+    rng = capture_rng_state()
+    metrics = build_metrics(cfg)
     val_metrics = evaluate(
-        state.model, val_loader, validation_step, build_metrics(cfg), state.device, cfg.train.precision
+        state.model,
+        val_loader,
+        validation_step,
+        metrics,
+        state.device,
+        cfg.train.precision,
+        stop=stop.during_evaluation(),
     )
+    if val_metrics is None:
+        restore_rng_state(rng)
+        run_log.log(f"the evaluation of epoch {state.epoch} stopped; the next run evaluates it again")
+        return False
     memory = report_memory(state.device, f"epoch {state.epoch}")
     row = {"epoch": state.epoch, "step": state.step, **train_metrics, **val_metrics}
     state.finish_epoch()
@@ -205,6 +220,7 @@ def end_epoch(state: TrainState, val_loader, cfg, checkpointer: Checkpointer, ru
     row |= {"lr": state.scheduler.get_last_lr()[0], "memory": memory, "outside_train_s": time.perf_counter() - start}
     with stop_all_if_any_fails(state.device):
         run_log.write_epoch(row)
+    return True
 
 
 if __name__ == "__main__":

@@ -228,9 +228,12 @@ def check_metrics(metrics: dict) -> dict:
 
 
 @torch.no_grad()
-def evaluate(model: nn.Module, loader, validation_step, metrics: dict, device, precision: str, max_batches=None):
+def evaluate(
+    model: nn.Module, loader, validation_step, metrics: dict, device, precision: str, max_batches=None, stop=None
+):
     """{"val_<name>": value, ..., "num_samples": n} over the validation set (or over each
     rank's first `max_batches` batches), the same on every rank. Every rank must call this.
+    None if `stop(batch_round)` (StopRequest.during_evaluation) said so after some round.
 
     Pass the unwrapped model: DDP's forward may broadcast buffers, a collective that
     would hang when ranks hold different numbers of batches. An FSDP model's forward is a
@@ -242,21 +245,26 @@ def evaluate(model: nn.Module, loader, validation_step, metrics: dict, device, p
     spare_metrics = copy.deepcopy(metrics)  # still empty: the FSDP padding's throwaway
     num_batches = plan.num_batches if max_batches is None else min(plan.num_batches, max_batches * plan.world_size)
     mine = plan.mine(num_batches)
+    every_rank_has = num_batches // plan.world_size  # rounds at which a stop can be agreed
+    stopped = False
     model.eval()
     # A failing validation_step stops every rank, none is left waiting (under FSDP only
     # if it fails on every rank alike: the others wait in a forward's all-gather).
     with stop_all_if_any_fails(device):
-        for batch_id, batch in zip(mine, loader, strict=False):  # a sanity check stops after max_batches
+        for batch_round, (batch_id, batch) in enumerate(zip(mine, loader, strict=False)):  # a sanity check stops early
             with autocast(precision, device):
                 validation_step(model, move_to_device(batch, device), metrics)
             for metric in metrics.values():
                 metric.end_batch(plan.samples_in(batch_id))
-        if isinstance(model, FSDPModule):
+            if stop is not None and batch_round < every_rank_has and stop(batch_round):
+                stopped = True  # every rank, after the same round
+                break
+        if isinstance(model, FSDPModule) and not stopped:
             spare_batch = move_to_device(loader.collate_fn([loader.dataset[0]]), device)
             for _ in range(plan.most_per_rank(num_batches) - len(mine)):
                 with autocast(precision, device):
                     validation_step(model, spare_batch, spare_metrics)
-    return compute_metrics(metrics, plan, num_batches, device)
+    return None if stopped else compute_metrics(metrics, plan, num_batches, device)
 
 
 def compute_metrics(metrics: dict, plan, num_batches: int, device: torch.device) -> dict:

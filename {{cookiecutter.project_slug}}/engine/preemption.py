@@ -2,8 +2,9 @@
 SIGUSR1 (SLURM's `--signal` warning before the time limit); or when the launcher is gone.
 
 A signal may reach one process or all of them. Each process only notes it; at agreed
-optimizer steps all ranks compare notes (one tiny all-reduce) and stop together, so rank
-0 writes a step checkpoint that the next run resumes from exactly. torchrun kills workers
+optimizer steps, or rounds of evaluation batches, all ranks compare notes (one tiny
+all-reduce) and stop together, so rank 0 writes a step checkpoint that the next run
+resumes from exactly (a stopped evaluation runs again). torchrun kills workers
 30 s after its SIGTERM, so stopping must take well under that: under a second plus one
 step and one save.
 
@@ -22,6 +23,7 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -48,9 +50,8 @@ class StopRequest:
         self.group = None
         if get_world_size() > 1:
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
-        self.next_check_step = 0
+        self.between_steps = NoteComparison(self.group)
         self.parent = None  # the launcher's pid, when there is one to watch
-        self.last_check = None  # (step, time) of the previous comparison
 
     def install(self, launcher: str) -> "StopRequest":
         """Handle the stop signals; under a launcher (torchrun, srun), watch it too."""
@@ -92,26 +93,46 @@ class StopRequest:
         return f"by {LAUNCHER_GONE if self.launcher_gone() else 'a signal to another process'}"
 
     def agreed(self, step: int) -> bool:
-        """Whether any rank got a stop signal. Every rank must call this after every step.
+        """Whether any rank got a stop signal. Every rank must call this after every step."""
+        return self.between_steps.any_noted(bool(self.signal_name), step)
 
-        Ranks compare notes only every ~CHECK_EVERY_SECONDS: rank 0 proposes the next
-        step to compare at from its step rate, inside the same all-reduce, so every rank
-        knows it and no clock has to agree.
-        """
+    def during_evaluation(self) -> Callable[[int], bool]:
+        """For one evaluation: whether any rank got a stop signal, asked after each round
+        of batches (round i: every rank's i-th batch). Every rank must ask at every round
+        that every rank has."""
+        comparison = NoteComparison(self.group)
+        return lambda batch_round: comparison.any_noted(bool(self.signal_name), batch_round)
+
+
+class NoteComparison:
+    """Ranks compare their notes (a stop signal or not) at counts they agree on: optimizer
+    steps, or rounds of evaluation batches.
+
+    They compare only every ~CHECK_EVERY_SECONDS: rank 0 proposes the next count to
+    compare at from its rate, inside the same all-reduce, so every rank knows it and no
+    clock has to agree.
+    """
+
+    def __init__(self, group):
+        self.group = group  # None: one process, nothing to compare
+        self.next_check = 0
+        self.last_check = None  # (count, time) of the previous comparison
+
+    def any_noted(self, noted: bool, count: int) -> bool:
         if self.group is None:
-            return bool(self.signal_name)
-        if step < self.next_check_step:
+            return noted
+        if count < self.next_check:
             return False
         now = time.monotonic()
-        if self.last_check is None:  # the first step of this run: no rate known yet
-            proposal = step + 1
+        if self.last_check is None:  # the first count: no rate known yet
+            proposal = count + 1
         else:
-            last_step, last_time = self.last_check
-            steps_per_second = (step - last_step) / max(now - last_time, 1e-6)
-            proposal = step + max(1, int(steps_per_second * CHECK_EVERY_SECONDS))
+            last_count, last_time = self.last_check
+            per_second = (count - last_count) / max(now - last_time, 1e-6)
+            proposal = count + max(1, int(per_second * CHECK_EVERY_SECONDS))
         proposal = proposal if is_main() else 0
-        notes = torch.tensor([1.0 if self.signal_name else 0.0, float(proposal)], dtype=torch.float64)
+        notes = torch.tensor([1.0 if noted else 0.0, float(proposal)], dtype=torch.float64)
         dist.all_reduce(notes, op=dist.ReduceOp.MAX, group=self.group)
-        self.next_check_step = int(notes[1].item())
-        self.last_check = (step, now)
+        self.next_check = int(notes[1].item())
+        self.last_check = (count, now)
         return bool(notes[0].item())

@@ -4,6 +4,7 @@ step, and the epoch's figures."""
 
 import contextlib
 import itertools
+import math
 import re
 import statistics
 import time
@@ -229,7 +230,7 @@ class EpochStats:
         sums = [self.loss_sums[name].double() for name in names]
         count = torch.tensor(float(self.micro_batches), dtype=torch.float64, device=sums[0].device)
         totals = all_reduce_sum(torch.stack([*sums, count])).tolist()
-        micro_batches = max(totals[-1], 1.0)
+        micro_batches = totals[-1] or math.nan  # none: the epoch was trained by the run before (then NaN)
         step_times = [b - a for a, b in itertools.pairwise(self.step_ends)]
         return {
             **{f"train_{name}": total / micro_batches for name, total in zip(names, totals[:-1], strict=True)},

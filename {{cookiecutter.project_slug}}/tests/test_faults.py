@@ -4,6 +4,7 @@ Nothing is lost beyond the last checkpoint, and each failure says what happened 
 """
 
 import json
+import math
 import os
 import pickle
 import resource
@@ -172,6 +173,44 @@ def test_stop_signal_checkpoints_and_resumes_exactly(tmp_path, uninterrupted, ta
 
     run_script("train.py", args, nproc=2)
     assert_same_state(uninterrupted, last(out))
+
+
+# Short training, long evaluation (seconds): 6,000 samples in batches of 2.
+LONG_EVAL = [
+    *FAST,
+    "data.train_size=512",
+    "data.val_size=6000",
+    "train.eval_batch_size=2",
+    "train.epochs=2",
+    "train.log_every_steps=1",
+    "data.augment=true",
+    "model.dropout=0.1",
+]
+
+
+def test_a_stop_during_evaluation_saves_the_last_step_and_the_next_run_evaluates_again(tmp_path):
+    """A requeue must not wait for an evaluation of any length: the stop is agreed between
+    evaluation batches, the checkpoint is the last training step's, and the relaunch
+    evaluates that epoch again and ends bitwise as a run never stopped."""
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    run_script("train.py", [*LONG_EVAL, f"output_dir={whole}"], nproc=2)
+    process, seen = start_script("train.py", [*LONG_EVAL, f"output_dir={split}"], nproc=2), []
+    steps = int(wait_for_line(process, "steps/epoch", seen).split("; ")[-1].split()[0])
+    wait_for_line(process, f"epoch 0 step {steps} ", seen)  # the epoch's last step: its evaluation follows
+    os.kill(process.pid, signal.SIGTERM)
+    output = finish(process, seen)
+    assert "the evaluation of epoch 0 stopped; the next run evaluates it again" in output, output
+    assert f"stopped at step {steps} by SIGTERM" in output
+    assert not (split / "metrics.jsonl").exists()  # no row for an epoch not evaluated
+    stopped = last(split)
+    assert (stopped["epoch"], stopped["step"], stopped["batches_done"]) == (0, steps, steps)
+
+    resumed = run_script("train.py", [*LONG_EVAL, f"output_dir={split}"], nproc=2).stdout
+    assert "resumed from" in resumed
+    assert_same_state(last(whole), last(split))
+    a, b = read_metrics(whole), read_metrics(split)
+    assert [row["val_loss"] for row in a] == [row["val_loss"] for row in b]
+    assert math.isnan(b[0]["train_loss"])  # epoch 0 was trained by the stopped run
 
 
 # -- 5. crashed ranks -------------------------------------------------------------------------

@@ -14,6 +14,7 @@ dataclasses of them, nested to any depth (`move_to_device`).
 """
 
 import dataclasses
+import signal
 from collections.abc import Callable, Mapping
 
 import torch
@@ -22,6 +23,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from engine.config import Config, effective_batch
 from engine.distributed import DistEnv
 from engine.errors import UsageError
+from engine.preemption import STOP_SIGNALS
 from engine.seeding import derive_seed, sample_seeds
 
 
@@ -168,10 +170,20 @@ def make_loader(dataset, cfg: Config, device: torch.device, collate_fn, **sampli
         pin_memory=device.type == "cuda",  # pinned host memory only helps copies to a GPU
         persistent_workers=workers > 0,  # no worker start-up cost at every epoch
         prefetch_factor=2 if workers > 0 else None,
+        worker_init_fn=leave_stop_signals_to_the_rank,
         # Its own generator: creating an iterator must not draw from the global RNG, or
         # a resumed run's dropout would diverge from the uninterrupted run's.
         generator=torch.Generator().manual_seed(cfg.seed),
     )
+
+
+def leave_stop_signals_to_the_rank(worker_id: int) -> None:
+    """In each DataLoader worker: ignore the stop signals. Launchers signal a rank's
+    whole process group (torchrun's SIGTERM, SLURM's SIGUSR1), workers included; a worker
+    killed by one takes its rank down with a traceback before the rank can save its stop
+    checkpoint. The rank ends its workers itself, and if it dies they follow."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def map_leaves(obj, fn: Callable, is_leaf: Callable):

@@ -150,17 +150,27 @@ def test_own_checkpoints_hold_no_unsafe_globals(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "target, sig",
-    [("agent", signal.SIGTERM), ("worker", signal.SIGUSR1), ("agent", signal.SIGINT)],
+    "target, sig, workers",
+    [
+        ("agent", signal.SIGTERM, 0),
+        ("worker", signal.SIGUSR1, 0),
+        ("agent", signal.SIGINT, 0),
+        # torchrun signals each rank's process group, SLURM each task's: DataLoader workers too
+        ("agent", signal.SIGTERM, 2),
+        ("worker's process group", signal.SIGUSR1, 2),
+    ],
 )
-def test_stop_signal_checkpoints_and_resumes_exactly(tmp_path, uninterrupted, target, sig):
+def test_stop_signal_checkpoints_and_resumes_exactly(tmp_path, uninterrupted, target, sig, workers):
     out = tmp_path / "run"
-    args = [*LONG, f"output_dir={out}", f"train.stop_at_step={END}"]
+    args = [*LONG, f"output_dir={out}", f"train.stop_at_step={END}", f"train.num_workers={workers}"]
     process, seen = start_script("train.py", args, nproc=2), []
     wait_for_line(process, "step 5 ", seen)
     victim = process.pid if target == "agent" else children(process.pid)[-1]
     sent = time.monotonic()
-    os.kill(victim, sig)
+    if target.endswith("process group"):
+        os.killpg(victim, sig)
+    else:
+        os.kill(victim, sig)
     output = finish(process, seen)
     took = time.monotonic() - sent
     stop_line = [line for line in output.splitlines() if line.startswith("stopped at step")]

@@ -14,7 +14,9 @@ dataclasses of them, nested to any depth (`move_to_device`).
 """
 
 import dataclasses
+import os
 import signal
+import threading
 from collections.abc import Callable, Mapping
 
 import torch
@@ -178,12 +180,24 @@ def make_loader(dataset, cfg: Config, device: torch.device, collate_fn, **sampli
 
 
 def leave_stop_signals_to_the_rank(worker_id: int) -> None:
-    """In each DataLoader worker: ignore the stop signals. Launchers signal a rank's
-    whole process group (torchrun's SIGTERM, SLURM's SIGUSR1), workers included; a worker
-    killed by one takes its rank down with a traceback before the rank can save its stop
-    checkpoint. The rank ends its workers itself, and if it dies they follow."""
+    """In each DataLoader worker: ignore the stop signals unless its rank sends them.
+
+    Launchers signal a rank's whole process group (torchrun's SIGTERM, SLURM's SIGUSR1),
+    workers included; a worker killed by one takes its rank down with a traceback before
+    the rank can save its stop checkpoint. But the rank itself ends leftover workers with
+    SIGTERM when it exits, so a SIGTERM from the rank is still obeyed: a thread waits for
+    SIGTERM and reads who sent it."""
     for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+        if sig != signal.SIGTERM:
+            signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started next inherit it
+    threading.Thread(target=exit_on_sigterm_from, args=(os.getppid(),), daemon=True).start()
+
+
+def exit_on_sigterm_from(rank_pid: int) -> None:
+    while signal.sigwaitinfo({signal.SIGTERM}).si_pid != rank_pid:
+        pass  # from the launcher: the rank stops, then ends this worker
+    os._exit(0)
 
 
 def map_leaves(obj, fn: Callable, is_leaf: Callable):

@@ -259,6 +259,18 @@ def running(pid: int) -> bool:
     return stat.rsplit(")", 1)[1].split()[0] not in "ZX"
 
 
+def left_after(pids: list[int], seconds: float) -> list[int]:
+    """Those of `pids` still running `seconds` from now (or once all are gone), then
+    killed, so that a failing test leaves nothing behind."""
+    deadline = time.monotonic() + seconds
+    while any(map(running, pids)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = [pid for pid in pids if running(pid)]
+    for pid in left:
+        os.kill(pid, signal.SIGKILL)
+    return left
+
+
 @pytest.fixture(scope="module")
 def uninterrupted_with_workers(tmp_path_factory):
     """The reference with 2 DataLoader workers per rank (they draw the augmentation)."""
@@ -291,12 +303,7 @@ def test_a_dead_launcher_leaves_no_process_and_loses_no_step(tmp_path, request, 
     assert len(run) >= 2 + 2 * workers, log.read_text()  # ranks and their DataLoader workers
     agent.kill()
     agent.wait()
-    killed = time.monotonic()
-    while any(map(running, run)) and time.monotonic() - killed < 60:
-        time.sleep(0.5)
-    left = [pid for pid in run if running(pid)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    left = left_after(run, seconds=60)
     output = log.read_text()
     assert not left, f"{len(left)} processes of the run still there 60 s after the agent died\n{output}"
     stopped_at = last(out)["step"]
@@ -317,12 +324,7 @@ def test_a_killed_single_process_run_leaves_no_dataloader_worker(tmp_path):
     assert len(workers) >= 2
     process.kill()
     process.communicate()
-    killed = time.monotonic()
-    while any(map(running, workers)) and time.monotonic() - killed < 60:
-        time.sleep(0.5)
-    left = [pid for pid in workers if running(pid)]
-    for pid in left:
-        os.kill(pid, signal.SIGKILL)
+    left = left_after(workers, seconds=60)
     assert not left, f"{len(left)} DataLoader workers still there 60 s after their rank died"
 
 

@@ -27,6 +27,7 @@ from engine.distributed import (
     init_distributed_mode,
     is_main,
     prepare_on_node_leaders,
+    shorten_timeout_after_first_step,
     stop_all_if_any_fails,
 )
 from engine.divergence import NonFiniteGuard
@@ -66,7 +67,7 @@ def main(argv=None) -> None:
     if args.print_config:
         print(format_config(cfg), end="")
         return
-    env, device = init_distributed_mode(cfg.dist)
+    env, device = init_distributed_mode(cfg.dist, Path(cfg.output_dir) / "flight_recorder")
     lock = None
     try:
         with stop_all_if_any_fails(device):
@@ -81,6 +82,8 @@ def main(argv=None) -> None:
         if cfg.train.sanity_check:
             sanity_check(state, val_loader, cfg, checkpointer)
         run_log = start_run_log(cfg, env, state, train_loader, val_loader)  # a QuietLog on ranks other than 0
+        # A hang fails the run after dist.step_timeout_minutes once the first step is done.
+        shorten_timeout_after_first_step(state.optimizer, cfg.dist.step_timeout_minutes, [stop.group])
 
         freeze_setup_objects()  # no full garbage collection pauses inside the steps
         keep_freed_host_memory()  # no page faults for the memory each step frees and takes again
@@ -182,7 +185,7 @@ def train_one_epoch(state: TrainState, loader, cfg, stop: StopRequest, checkpoin
             if stop.requested(state.step):  # a signal to any rank, or train.stop_at_step
                 return stats.summary(cfg.train.batch_size), False
             if state.step % cfg.train.log_every_steps == 0:
-                state.guard.check(state.scaler)  # a NaN stops every rank here, or at the next save
+                state.guard.check_later()  # a NaN stops every rank an interval later, or at the next save
             checkpointer.save_if_due(state)  # every checkpoint.every_steps
     finally:
         progress.close()

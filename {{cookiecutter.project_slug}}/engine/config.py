@@ -104,7 +104,9 @@ class CheckpointConfig:
 @dataclass
 class DistConfig:
     backend: str = "auto"  # auto (nccl on CUDA, else gloo) | nccl | gloo
-    timeout_minutes: float = 30.0  # a collective waiting longer than this fails the run
+    timeout_minutes: float = 30.0  # until the first step: a collective waiting longer fails the run
+    step_timeout_minutes: float = 10.0  # after it (a hang costs this long): cover a save and an evaluation
+    flight_recorder_entries: int = 2000  # collectives each rank keeps for output_dir/flight_recorder (0: off)
     sync_bn: bool = True  # BatchNorm -> SyncBatchNorm (CUDA with more than one process only)
     find_unused_parameters: bool = False  # DDP: allow parameters that get no gradient in a step
     static_graph: bool = False  # DDP: the graph never changes between steps (enables optimisations)
@@ -113,6 +115,8 @@ class DistConfig:
     def __post_init__(self):
         check_choice("dist.backend", self.backend, ("auto", "nccl", "gloo"))
         check_positive("dist.timeout_minutes", self.timeout_minutes)
+        check_positive("dist.step_timeout_minutes", self.step_timeout_minutes)
+        check_positive("dist.flight_recorder_entries", self.flight_recorder_entries, allow_zero=True)
         check_positive("dist.bucket_cap_mb", self.bucket_cap_mb)
 
 

@@ -12,8 +12,11 @@ import contextlib
 import datetime
 import os
 import re
+import socket
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -127,8 +130,9 @@ def select_device(env: DistEnv, cuda_available: bool, device_count: int = 0) -> 
     return torch.device("cuda", env.local_rank)
 
 
-def init_distributed_mode(cfg: DistConfig) -> tuple[DistEnv, torch.device]:
-    """Bind this process to its device, then join the process group (if launched)."""
+def init_distributed_mode(cfg: DistConfig, trace_dir: Path | None = None) -> tuple[DistEnv, torch.device]:
+    """Bind this process to its device, then join the process group (if launched).
+    `trace_dir`: where each rank's flight recorder goes when a collective fails."""
     env = parse_dist_env(os.environ)
     cuda = torch.cuda.is_available()
     device = select_device(env, cuda, torch.cuda.device_count() if cuda else 0)
@@ -136,6 +140,11 @@ def init_distributed_mode(cfg: DistConfig) -> tuple[DistEnv, torch.device]:
         # Before any other CUDA call, so nothing lands on GPU 0 by default.
         torch.cuda.set_device(device)
     if env.distributed:
+        check_gloo_address(socket.gethostname(), multi_node(os.environ), os.environ)
+        os.environ.update(process_group_env(os.environ, cfg.flight_recorder_entries, trace_dir))
+        if trace_dir is not None:  # NCCL's watchdog writes there, but does not make the folder
+            with contextlib.suppress(OSError):  # an unwritable output_dir is reported after the lock
+                trace_dir.mkdir(parents=True, exist_ok=True)
         dist.init_process_group(
             backend=select_backend(cfg.backend, cuda),
             init_method=init_method(env),
@@ -147,6 +156,111 @@ def init_distributed_mode(cfg: DistConfig) -> tuple[DistEnv, torch.device]:
     return env, device
 
 
+def process_group_env(environ: Mapping[str, str], trace_entries: int, trace_dir: Path | None) -> dict[str, str]:
+    """Variables PyTorch reads when the process groups start; those set at launch win.
+
+    TORCH_GLOO_LAZY_INIT: gloo connects a pair of ranks when a collective first needs it,
+    not every pair at start. GPU jobs still use gloo (the stop vote, object collectives),
+    on purpose: over NCCL, every vote would wait for the GPU's queue to drain. The votes'
+    all-reduce reaches a few peers (3 of 9 measured), so at 1,000 ranks a process holds
+    tens of sockets instead of ~2,000.
+    TORCH_FR_*: the flight recorder. Each rank keeps its last `trace_entries` collectives
+    (which, on which group, sizes, state) and writes them to `trace_dir`/rank_N when one
+    times out: NCCL's watchdog does, and `dump_flight_recorder` for gloo. Read them with
+    `python -m torch.distributed.flight_recorder.fr_trace trace_dir`.
+    """
+    wanted = {"TORCH_GLOO_LAZY_INIT": "1"}
+    if trace_entries > 0 and trace_dir is not None:
+        wanted |= {
+            "TORCH_FR_BUFFER_SIZE": str(trace_entries),
+            "TORCH_FR_DUMP_TEMP_FILE": f"{trace_dir}/{TRACE_FILE_PREFIX}",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+        }
+    set_at_launch = {name for name in wanted if name in environ}
+    set_at_launch |= {new for new, old in OLDER_NAMES.items() if old in environ}
+    return {name: value for name, value in wanted.items() if name not in set_at_launch}
+
+
+TRACE_FILE_PREFIX = "rank_"
+OLDER_NAMES = {
+    "TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "TORCH_FR_DUMP_TEMP_FILE": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+}
+
+
+def multi_node(environ: Mapping[str, str]) -> bool:
+    """Whether the job spans hosts: torchrun's local world is smaller than the world, or
+    SLURM's step has more than one node."""
+    if "LOCAL_WORLD_SIZE" in environ and "WORLD_SIZE" in environ:
+        return int(environ["LOCAL_WORLD_SIZE"]) < int(environ["WORLD_SIZE"])
+    return int(environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES", 1))) > 1
+
+
+def check_gloo_address(hostname: str, spans_hosts: bool, environ: Mapping[str, str]) -> None:
+    """gloo listens on the address the host name resolves to. Many images map it to
+    127.0.1.1, which other nodes cannot reach: the job would fail later with gloo's
+    "connectFullMesh failed" or hang. Say so before the first collective."""
+    if not spans_hosts or "GLOO_SOCKET_IFNAME" in environ:
+        return
+    try:
+        address = socket.gethostbyname(hostname)
+    except OSError:
+        address = ""  # unresolvable: gloo falls back to the loopback address
+    if not address or address.startswith("127."):
+        raise UsageError(
+            f"this host's name {hostname!r} resolves to {address or 'nothing'}, which other nodes cannot reach; "
+            "set GLOO_SOCKET_IFNAME to the interface between the nodes (e.g. GLOO_SOCKET_IFNAME=eth0 or ib0; "
+            "`ip -br addr` lists them)"
+        )
+
+
+def shorten_timeout_after_first_step(optimizer: torch.optim.Optimizer, minutes: float, groups=()) -> None:
+    """Once the optimizer has taken its first step, a collective that waits longer than
+    `minutes` fails the run (on the default group and `groups`). Setup may take long
+    (loading, compiling, NCCL's first connections); a step, an evaluation or a save should
+    not, and a hang then costs `minutes`, not the setup's timeout."""
+    if get_world_size() == 1:
+        return
+
+    def shorten(*_) -> None:
+        handle.remove()  # once
+        timeout = datetime.timedelta(minutes=minutes)
+        for group in (None, *(g for g in groups if g is not None)):
+            dist.set_timeout(timeout, group=group)
+
+    handle = optimizer.register_step_post_hook(shorten)
+
+
+def flight_recorder_file() -> Path | None:
+    """Where this rank's flight recorder goes (NCCL's watchdog writes it there on a
+    timeout; `dump_flight_recorder` for gloo), or None when it is off."""
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE", os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
+    return Path(f"{prefix}{get_rank()}") if prefix else None
+
+
+def dump_flight_recorder() -> None:
+    """Write this rank's flight recorder to `flight_recorder_file()`, unless NCCL's
+    watchdog has. Call it before leaving the process group: it names the groups only
+    while they exist."""
+    path = flight_recorder_file()
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)  # no public API yet
+    if path is None or dump is None or path.exists():
+        return
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(dump())
+
+
+def lost_peer(error: BaseException | None) -> bool:
+    """A collective failed because another process died or stopped answering. gloo
+    reports this as a plain RuntimeError, so its messages are recognised too."""
+    if isinstance(error, (dist.DistNetworkError, dist.DistStoreError)):
+        return True
+    return isinstance(error, RuntimeError) and bool(
+        re.search(r"Connection (closed|reset)|[Tt]imed out|timeout|Broken pipe", str(error))
+    )
+
+
 def init_method(env: DistEnv) -> str:
     if env.launcher == "slurm":
         return f"tcp://{env.master_addr}:{env.master_port}"
@@ -154,7 +268,11 @@ def init_method(env: DistEnv) -> str:
 
 
 def cleanup_distributed() -> None:
+    """Leave the process group; when leaving because a collective failed, write the
+    flight recorder first."""
     if dist.is_available() and dist.is_initialized():
+        if lost_peer(sys.exc_info()[1]):  # called from a `finally` an error is passing through
+            dump_flight_recorder()
         dist.destroy_process_group()
 
 
@@ -190,13 +308,11 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
-def all_reduce_max(value: int, device: torch.device) -> int:
-    """The largest `value` over all processes; every rank must call this."""
-    if get_world_size() == 1:
-        return value
-    tensor = torch.tensor([value], dtype=torch.int64, device=device)
-    dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
-    return int(tensor.item())
+def all_reduce_max_(tensor: torch.Tensor) -> torch.Tensor:
+    """The largest `tensor` over all processes, in place; every rank must call this."""
+    if get_world_size() > 1:
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX)
+    return tensor
 
 
 @contextlib.contextmanager

@@ -3,10 +3,12 @@ good checkpoint intact, instead of training on and saving non-finite weights as 
 
 Every optimizer step keeps its gradient norm, a tensor on the device: nothing waits for
 it and the guard adds no op to the step (under FSDP the norm's shards are still summed
-at every step, on every rank alike). Every FOLD_EVERY steps, and at each `check`, the
-kept norms are reduced on the device to the first non-finite step. `check` reads that
-(a host sync) every train.log_every_steps steps and before every checkpoint, so nothing
-non-finite is saved.
+at every step, on every rank alike). Every FOLD_EVERY steps, and at each check, the
+kept norms are reduced on the device to the first non-finite step. Every
+train.log_every_steps steps, `check_later` starts copying that to the host and reads the
+copy it started the time before: no wait for the device (on a GPU, draining its queue
+would idle it). Before every checkpoint, `check` reads it at once (a host sync), so
+nothing non-finite is saved.
 The gradients are all-reduced before the norm is taken, so every rank sees the same
 norm and decides alike.
 
@@ -21,7 +23,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from engine.config import TrainConfig
-from engine.distributed import all_reduce_max
+from engine.distributed import all_reduce_max_
 from engine.errors import DivergedError
 
 MIN_FP16_SCALE = 2.0**-10  # 26 halvings below GradScaler's initial 2**16
@@ -36,6 +38,7 @@ class NonFiniteGuard:
         self.norms: list[torch.Tensor] = []  # of consecutive steps, from `self.norms_from`
         self.norms_from = 0
         self.skipped_steps = 0  # over the whole run: saved in checkpoints
+        self.first_bad_later = LaggedValue()  # what `check_later` started reading
 
     def skip_step(self, grad_norm: torch.Tensor, step: int) -> bool:
         """Record step `step`'s gradient norm; whether to skip its update. Skipping needs
@@ -72,11 +75,20 @@ class NonFiniteGuard:
         self.first_bad_step = torch.where(bad.any() & (first < 0), first_here, first)
         self.norms = []
 
+    def check_later(self) -> None:
+        """Stop every rank together if a step before the previous call had non-finite
+        gradients; this call's steps are read at the next call (or by `check`). Nothing
+        waits for the device. Every rank must call this at the same steps."""
+        self.fold()
+        first_bad = self.first_bad_later.swap(all_reduce_max_(self.first_bad_step.clone()))
+        if first_bad is not None and first_bad >= 0:
+            raise DivergedError(self.message(f"at step {first_bad}"))
+
     def check(self, scaler: torch.amp.GradScaler) -> None:
         """Stop every rank together if a step had non-finite gradients, or fp16's loss
-        scale collapsed. Every rank must call this."""
+        scale collapsed; waits for the device. Every rank must call this."""
         self.fold()
-        first_bad = all_reduce_max(int(self.first_bad_step), self.first_bad_step.device)
+        first_bad = int(all_reduce_max_(self.first_bad_step.clone()))
         if first_bad >= 0:
             raise DivergedError(self.message(f"at step {first_bad}"))
         if scaler.is_enabled() and scaler.get_scale() < MIN_FP16_SCALE:
@@ -88,3 +100,30 @@ class NonFiniteGuard:
             f"(this run: {self.lr:.4g}), a longer train.warmup_epochs, or train.grad_clip; "
             "train.max_bad_steps=N skips up to N such steps"
         )
+
+
+class LaggedValue:
+    """A number on the device, read one call later. `swap(tensor)` starts copying `tensor`
+    to the host without waiting, and returns the number the previous call started copying
+    (None the first time). By then that copy has long finished, so reading it waits for
+    nothing; on the CPU the copy is done at once."""
+
+    def __init__(self):
+        self.pending = None  # (host tensor, CUDA event or None)
+
+    def swap(self, tensor: torch.Tensor) -> int | float | None:
+        previous = None
+        if self.pending is not None:
+            host, copied = self.pending
+            if copied is not None:
+                copied.synchronize()  # the copy of one interval ago: finished long since
+            previous = host.item()
+        # Pinned memory: a copy from the GPU into pageable memory would wait for it.
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        host.copy_(tensor, non_blocking=True)
+        copied = None
+        if tensor.is_cuda:
+            copied = torch.cuda.Event()
+            copied.record()
+        self.pending = (host, copied)
+        return previous

@@ -12,10 +12,9 @@ import sys
 import time
 from pathlib import Path
 
-import torch.distributed
 from tqdm import tqdm
 
-from engine.distributed import PeerFailed, get_rank, is_main
+from engine.distributed import PeerFailed, flight_recorder_file, get_rank, is_main, lost_peer
 from engine.errors import UsageError
 
 
@@ -181,23 +180,18 @@ def report_errors(main):
             if not lost_peer(error):
                 raise
             # Every survivor says it: rank 0 may be the process that died.
+            trace = flight_recorder_file()  # written as the process group was left
+            history = f" Its last collectives: {trace}." if trace and trace.exists() else ""
             print(
                 f"rank {get_rank()} stopped: lost contact with another process: it crashed, was killed, "
-                f"or hung longer than dist.timeout_minutes (see its output). {last_line(error)}",
+                "or hung longer than dist.step_timeout_minutes (dist.timeout_minutes before the first step); "
+                f"see its output.{history} {last_line(error)}",
                 file=sys.stderr,
                 flush=True,
             )
             raise SystemExit(1) from None
 
     return wrapper
-
-
-def lost_peer(error: RuntimeError) -> bool:
-    """A collective failed because another process died or stopped answering. gloo
-    reports this as a plain RuntimeError, so its messages are recognised too."""
-    if isinstance(error, (torch.distributed.DistNetworkError, torch.distributed.DistStoreError)):
-        return True
-    return bool(re.search(r"Connection (closed|reset)|[Tt]imed out|timeout|Broken pipe", str(error)))
 
 
 def last_line(error: Exception) -> str:

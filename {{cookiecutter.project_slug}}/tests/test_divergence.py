@@ -7,7 +7,7 @@ import torch
 from conftest import reference_config
 from engine.checkpoint import Checkpointer
 from engine.distributed import DistEnv
-from engine.divergence import FOLD_EVERY, MIN_FP16_SCALE, DivergedError, NonFiniteGuard
+from engine.divergence import FOLD_EVERY, MIN_FP16_SCALE, DivergedError, LaggedValue, NonFiniteGuard
 from engine.optim import build_optimizer, build_scheduler
 from engine.training import TrainState, optimizer_step
 
@@ -42,6 +42,55 @@ def test_a_non_finite_step_is_recorded_without_a_host_sync_then_stops_the_run(tm
     optimizer_step(state, cfg.train)
     with pytest.raises(DivergedError, match=r"non-finite gradients at step 2; no checkpoint was saved before it"):
         state.guard.check(state.scaler)
+
+
+def test_the_check_at_log_intervals_stops_the_run_one_interval_later(tmp_path):
+    state, cfg = make_state(tmp_path)
+    backward(state, 1.0)
+    optimizer_step(state, cfg.train)
+    state.guard.check_later()
+    backward(state, float("nan"))
+    optimizer_step(state, cfg.train)  # step 2
+    state.guard.check_later()  # reads what the call before started: all finite then
+    backward(state, 1.0)
+    optimizer_step(state, cfg.train)
+    with pytest.raises(DivergedError, match=r"non-finite gradients at step 2;"):
+        state.guard.check_later()
+
+
+def test_the_check_before_a_save_reads_at_once(tmp_path):
+    state, cfg = make_state(tmp_path)
+    backward(state, float("nan"))
+    optimizer_step(state, cfg.train)
+    state.guard.check_later()  # started reading, not read
+    with pytest.raises(DivergedError, match=r"non-finite gradients at step 1;"):
+        state.guard.check(state.scaler)
+
+
+def test_a_lagged_value_is_the_one_given_the_call_before():
+    lagged = LaggedValue()
+    given = [torch.tensor(v) for v in (3, -1, 7)]
+    assert [lagged.swap(t) for t in given] == [None, 3, -1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_check_at_log_intervals_never_waits_for_the_gpu(tmp_path):
+    cfg = reference_config(None, [f"output_dir={tmp_path}"])
+    gpu = torch.device("cuda", torch.cuda.current_device())
+    guard = NonFiniteGuard(cfg.train, lambda: "none saved", lr=0.1, device=gpu)
+    torch.cuda.set_sync_debug_mode("error")  # any op that waits for the GPU raises
+    try:
+        for step in range(1, 2 * FOLD_EVERY + 3):
+            guard.skip_step(torch.tensor(float("nan") if step == 5 else 1.0, device=gpu), step)
+            if step % 50 == 0:
+                try:
+                    guard.check_later()
+                except DivergedError as error:
+                    assert step >= 100 and "at step 5;" in str(error)  # read one interval later
+                    return
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    pytest.fail("the non-finite step was never reported")
 
 
 RUN = range(1, 2 * FOLD_EVERY + 8)  # two full batches of kept norms and a part

@@ -12,7 +12,12 @@ from engine.checkpoint import load_checkpoint
 RUN = [*FAST, "train.epochs=1", "checkpoint.resume=none"]
 
 
-def torchrun_node(node_rank: int, rendezvous: list[str], args: list, extra_env=None) -> subprocess.Popen:
+# Both "nodes" are this host, whose name resolves to a loopback address: gloo must be
+# told to use it, as on a real cluster it is told which interface reaches the other nodes.
+ONE_HOST = {"GLOO_SOCKET_IFNAME": "lo"}
+
+
+def torchrun_node(node_rank: int, rendezvous: list[str], args: list, extra_env=ONE_HOST) -> subprocess.Popen:
     """One 'node' of a two-node job: its own torchrun agent with one worker."""
     return subprocess.Popen(
         [
@@ -33,11 +38,11 @@ def torchrun_node(node_rank: int, rendezvous: list[str], args: list, extra_env=N
     )
 
 
-def run_two_nodes(rendezvous, args, extra_env=None):
+def run_two_nodes(rendezvous, args, extra_env=ONE_HOST, expect=0):
     nodes = [torchrun_node(rank, rendezvous, args, extra_env) for rank in (0, 1)]
     outputs = [node.communicate(timeout=240)[0] for node in nodes]
     for node, output in zip(nodes, outputs, strict=True):
-        assert node.returncode == 0, output
+        assert node.returncode == expect, output
     return outputs
 
 
@@ -56,6 +61,18 @@ def test_two_nodes_train_like_one_node_with_two_processes(tmp_path, backend):
     b = load_checkpoint(two_nodes / "checkpoints" / "last.pt")["model"]
     for key, value in a.items():
         assert torch.equal(b[key], value), key
+
+
+def test_a_multi_node_job_on_a_host_name_others_cannot_reach_stops_in_one_line(tmp_path):
+    # Without GLOO_SOCKET_IFNAME, gloo would listen on the address of this host's name
+    # (127.0.0.1 here): unreachable from a real second node.
+    port = free_port()
+    rendezvous = ["--rdzv-backend=static", "--master-addr=127.0.0.1", f"--master-port={port}"]
+    outputs = run_two_nodes(rendezvous, ["train.py", *RUN, f"output_dir={tmp_path}"], extra_env=None, expect=1)
+    errors = [line for output in outputs for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, outputs
+    assert "resolves to 127." in errors[0] and "set GLOO_SOCKET_IFNAME" in errors[0]
+    assert not (tmp_path / "checkpoints").exists()
 
 
 NODE_LEADERS = """

@@ -31,7 +31,9 @@ TUNABLES = [f"glibc.malloc.{name}" for name in SETTINGS]
 
 
 def memory_snapshot(device: torch.device) -> dict:
-    """This process's memory in MiB: peak and current RSS, and its GPU's peaks on CUDA.
+    """This process's memory in MiB: peak and current RSS, and on CUDA its GPU's peaks
+    allocated and reserved by this process since the last report (the first: since the
+    start; `report_memory` restarts them), while `rss_peak_mib` is since the start.
     Counting live tensors walks every Python object (~0.1 s): call it between epochs."""
     page_mib = resource.getpagesize() / 2**20
     with open("/proc/self/statm") as f:
@@ -172,11 +174,18 @@ def imbalance_warning(per_rank: list[dict]) -> str | None:
 
 def report_memory(device: torch.device, when: str) -> list[dict]:
     """Gather every rank's memory; rank 0 logs a table and any imbalance. Every rank
-    must call this. Returns the per-rank figures (for metrics.jsonl)."""
+    must call this. Returns the per-rank figures (for metrics.jsonl).
+
+    Then the CUDA peaks restart, so that each report's peaks are its own period's: a
+    peak from setup no longer hides what later epochs take. The imbalance warning still
+    compares like with like (every rank restarts at the same point), and memory that
+    stays reserved (e.g. a checkpoint loaded onto GPU 0) is the new period's floor."""
     per_rank = gather_memory(device)
     if is_main():
         log(f"memory per rank, MiB ({when}):\n{memory_table(per_rank)}")
         warning = imbalance_warning(per_rank)
         if warning:
             log(warning)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     return per_rank

@@ -10,7 +10,7 @@ import torch
 
 from conftest import FAST, machinery_project, read_metrics, reference_task, run_script
 from engine.checkpoint import load_checkpoint
-from engine.memory import count_live_tensors, freeze_setup_objects, imbalance_warning
+from engine.memory import count_live_tensors, freeze_setup_objects, imbalance_warning, report_memory
 from engine.parallel import checkpoint_activations
 
 reference_model = reference_task().model
@@ -42,6 +42,16 @@ def test_no_warning_when_balanced():
     rows = [{"rss_peak_mib": 800.0}, {"rss_peak_mib": 820.0}, {"rss_peak_mib": 790.0}]
     assert imbalance_warning(rows) is None
     assert "rank 2" in imbalance_warning([*rows[:2], {"rss_peak_mib": 1100.0}])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_each_report_has_the_cuda_peaks_of_its_own_period():
+    device = torch.device("cuda", torch.cuda.current_device())
+    spike = torch.ones(256 * 2**20, dtype=torch.uint8, device=device)  # 256 MiB, then freed
+    del spike
+    first = report_memory(device, "test")[0]["cuda_allocated_peak_mib"]
+    second = report_memory(device, "test")[0]["cuda_allocated_peak_mib"]
+    assert first >= 256 and second < first - 200, (first, second)
 
 
 RECORD_LOADS = """

@@ -2,7 +2,8 @@
 
 The classic distributed memory problems are made visible here: one rank (usually GPU 0)
 holding far more than the others, e.g. because every process loaded a checkpoint onto it,
-and memory that grows epoch after epoch (a leak).
+and memory that grows epoch after epoch (a leak). What other processes hold on a GPU is
+not in a rank's own figures: engine.gpu_processes asks the driver.
 """
 
 import ctypes
@@ -16,6 +17,7 @@ import warnings
 import torch
 
 from engine.distributed import all_gather_objects, is_main
+from engine.gpu_processes import report_gpu_processes
 from engine.logs import log
 
 IMBALANCE = 1.25  # warn when a rank holds more than this times the median
@@ -173,8 +175,9 @@ def imbalance_warning(per_rank: list[dict]) -> str | None:
 
 
 def report_memory(device: torch.device, when: str) -> list[dict]:
-    """Gather every rank's memory; rank 0 logs a table and any imbalance. Every rank
-    must call this. Returns the per-rank figures (for metrics.jsonl).
+    """Gather every rank's memory; rank 0 logs a table and any imbalance, then the GPU
+    section (every process on the GPUs, from NVML). Every rank must call this. Returns
+    the per-rank figures (for metrics.jsonl).
 
     Then the CUDA peaks restart, so that each report's peaks are its own period's: a
     peak from setup no longer hides what later epochs take. The imbalance warning still
@@ -186,6 +189,7 @@ def report_memory(device: torch.device, when: str) -> list[dict]:
         warning = imbalance_warning(per_rank)
         if warning:
             log(warning)
+    report_gpu_processes(device, when)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     return per_rank

@@ -31,6 +31,7 @@ from engine.distributed import (
     stop_all_if_any_fails,
 )
 from engine.divergence import NonFiniteGuard
+from engine.gpu_processes import report_gpu_processes
 from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
 from engine.logs import QuietLog, RunLog, log, report_errors
 from engine.memory import freeze_setup_objects, keep_freed_host_memory, report_memory
@@ -82,6 +83,7 @@ def main(argv=None) -> None:
         if cfg.train.sanity_check:
             sanity_check(state, val_loader, cfg, checkpointer)
         run_log = start_run_log(cfg, env, state, train_loader, val_loader)  # a QuietLog on ranks other than 0
+        report_gpu_processes(device, "start")  # after the resume: what a load left on another rank's GPU shows
         # A hang fails the run after dist.step_timeout_minutes once the first step is done.
         shorten_timeout_after_first_step(state.optimizer, cfg.dist.step_timeout_minutes, [stop.group])
 

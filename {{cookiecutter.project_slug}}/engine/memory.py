@@ -2,7 +2,8 @@
 
 The classic distributed memory problems are made visible here: one rank (usually GPU 0)
 holding far more than the others, e.g. because every process loaded a checkpoint onto it,
-and memory that grows epoch after epoch (a leak).
+and memory that grows epoch after epoch (a leak). What other processes hold on a GPU is
+not in a rank's own figures: engine.gpu_processes asks the driver.
 """
 
 import ctypes
@@ -16,6 +17,7 @@ import warnings
 import torch
 
 from engine.distributed import all_gather_objects, is_main
+from engine.gpu_processes import report_gpu_processes
 from engine.logs import log
 
 IMBALANCE = 1.25  # warn when a rank holds more than this times the median
@@ -31,7 +33,9 @@ TUNABLES = [f"glibc.malloc.{name}" for name in SETTINGS]
 
 
 def memory_snapshot(device: torch.device) -> dict:
-    """This process's memory in MiB: peak and current RSS, and its GPU's peaks on CUDA.
+    """This process's memory in MiB: peak and current RSS, and on CUDA its GPU's peaks
+    allocated and reserved by this process since the last report (the first: since the
+    start; `report_memory` restarts them), while `rss_peak_mib` is since the start.
     Counting live tensors walks every Python object (~0.1 s): call it between epochs."""
     page_mib = resource.getpagesize() / 2**20
     with open("/proc/self/statm") as f:
@@ -171,12 +175,21 @@ def imbalance_warning(per_rank: list[dict]) -> str | None:
 
 
 def report_memory(device: torch.device, when: str) -> list[dict]:
-    """Gather every rank's memory; rank 0 logs a table and any imbalance. Every rank
-    must call this. Returns the per-rank figures (for metrics.jsonl)."""
+    """Gather every rank's memory; rank 0 logs a table and any imbalance, then the GPU
+    section (every process on the GPUs, from NVML). Every rank must call this. Returns
+    the per-rank figures (for metrics.jsonl).
+
+    Then the CUDA peaks restart, so that each report's peaks are its own period's: a
+    peak from setup no longer hides what later epochs take. The imbalance warning still
+    compares like with like (every rank restarts at the same point), and memory that
+    stays reserved (e.g. a checkpoint loaded onto GPU 0) is the new period's floor."""
     per_rank = gather_memory(device)
     if is_main():
         log(f"memory per rank, MiB ({when}):\n{memory_table(per_rank)}")
         warning = imbalance_warning(per_rank)
         if warning:
             log(warning)
+    report_gpu_processes(device, when, say_skipped=False)  # said once, at the start
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
     return per_rank

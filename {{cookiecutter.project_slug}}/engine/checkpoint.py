@@ -21,7 +21,7 @@ import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from engine.config import Config, effective_batch
-from engine.distributed import DistEnv, all_gather_objects, is_main, stop_all_if_any_fails
+from engine.distributed import DistEnv, all_gather_objects, gather_objects_on_main, is_main, stop_all_if_any_fails
 from engine.errors import CheckpointError, UsageError
 from engine.logs import log
 from engine.optim import scaled_lr
@@ -202,7 +202,7 @@ class Checkpointer:
         epoch has the best checkpoint.best_metric so far."""
         state.guard.check(state.scaler)  # never save non-finite weights: stop instead
         is_best = val_metrics is not None and self.is_new_best(state, val_metrics)
-        rng_states = all_gather_objects(capture_rng_state())
+        rng_states = gather_objects_on_main(capture_rng_state())  # each rank's, for an exact resume; None off rank 0
         payload = {**state.state_dict(), "config": dataclasses.asdict(self.cfg), "world_size": self.env.world_size}
         payload["rng"] = rng_states
         keep_last = self.cfg.checkpoint.keep_last

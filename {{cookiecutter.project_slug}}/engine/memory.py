@@ -16,11 +16,12 @@ import warnings
 
 import torch
 
-from engine.distributed import all_gather_objects, is_main
+from engine.distributed import gather_objects_on_main, is_main
 from engine.gpu_processes import report_gpu_processes
 from engine.logs import log
 
 IMBALANCE = 1.25  # warn when a rank holds more than this times the median
+TABLE_ROWS = 16  # the table's rows at most: two nodes of 8 GPUs show in full
 
 # glibc's mallopt() parameters, and the values the training steps run with.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
@@ -147,22 +148,36 @@ def count_live_tensors() -> int:
     return count
 
 
-def gather_memory(device: torch.device) -> list[dict]:
-    """Every rank's snapshot, in rank order. Every rank must call this."""
-    return all_gather_objects(memory_snapshot(device))
+def gather_memory(device: torch.device) -> list[dict] | None:
+    """Every rank's snapshot, in rank order, on rank 0 (None elsewhere): a few hundred
+    bytes a rank, once an epoch. Every rank must call this."""
+    return gather_objects_on_main(memory_snapshot(device))
 
 
-def memory_table(per_rank: list[dict]) -> str:
+def memory_table(per_rank: list[dict], most_rows: int = TABLE_ROWS) -> str:
+    """A row per rank; for more ranks than `most_rows`, rank 0's and those holding the
+    most (every rank's figures still go to metrics.jsonl)."""
     keys = list(per_rank[0])
     width = max(len(k) for k in keys) + 1
     header = "rank " + "".join(f"{k:>{width}}" for k in keys)
-    rows = [f"{rank:>4} " + "".join(f"{row[k]:>{width}g}" for k in keys) for rank, row in enumerate(per_rank)]
+    shown = list(range(len(per_rank)))
+    if len(per_rank) > most_rows:
+        key = imbalance_key(per_rank)
+        heaviest = sorted(shown[1:], key=lambda rank: per_rank[rank][key], reverse=True)[: most_rows - 1]
+        shown = [0, *sorted(heaviest)]
+    rows = [f"{rank:>4} " + "".join(f"{per_rank[rank][k]:>{width}g}" for k in keys) for rank in shown]
+    if len(shown) < len(per_rank):
+        rows.append(f"({len(per_rank) - len(shown)} more ranks hold less {imbalance_key(per_rank)}: see metrics.jsonl)")
     return "\n".join([header, *rows])
+
+
+def imbalance_key(per_rank: list[dict]) -> str:
+    return "cuda_reserved_peak_mib" if "cuda_reserved_peak_mib" in per_rank[0] else "rss_peak_mib"
 
 
 def imbalance_warning(per_rank: list[dict]) -> str | None:
     """One line naming the rank that holds much more than the median, if any."""
-    key = "cuda_reserved_peak_mib" if "cuda_reserved_peak_mib" in per_rank[0] else "rss_peak_mib"
+    key = imbalance_key(per_rank)
     values = [row[key] for row in per_rank]
     median = statistics.median(values)
     worst = max(range(len(values)), key=values.__getitem__)
@@ -174,10 +189,10 @@ def imbalance_warning(per_rank: list[dict]) -> str | None:
     return None
 
 
-def report_memory(device: torch.device, when: str) -> list[dict]:
+def report_memory(device: torch.device, when: str) -> list[dict] | None:
     """Gather every rank's memory; rank 0 logs a table and any imbalance, then the GPU
     section (every process on the GPUs, from NVML). Every rank must call this. Returns
-    the per-rank figures (for metrics.jsonl).
+    the per-rank figures on rank 0 (for metrics.jsonl), None elsewhere.
 
     Then the CUDA peaks restart, so that each report's peaks are its own period's: a
     peak from setup no longer hides what later epochs take. The imbalance warning still

@@ -22,7 +22,7 @@ from engine.gpu_processes import (
     read_gpus,
     report_gpu_processes,
 )
-from engine.memory import count_live_tensors, freeze_setup_objects, imbalance_warning, report_memory
+from engine.memory import count_live_tensors, freeze_setup_objects, imbalance_warning, memory_table, report_memory
 from engine.parallel import checkpoint_activations
 
 reference_model = reference_task().model
@@ -52,6 +52,15 @@ def test_imbalance_warning_names_the_heavy_rank(tmp_path):
     assert result.stdout.count("memory per rank, MiB (test)") == 1
     assert "warning: rank 1 holds" in result.stdout and "x the median" in result.stdout
     assert result.stdout.count(SKIPPED["no gpu"]) == 1  # rank 0's, once: at the start, not at each report
+
+
+def test_the_table_of_many_ranks_shows_rank_0_and_those_holding_the_most():
+    per_rank = [{"rss_peak_mib": 800.0 + rank, "live_tensors": 10} for rank in range(40)]
+    per_rank[13]["rss_peak_mib"] = 3000.0
+    lines = memory_table(per_rank, most_rows=4).splitlines()
+    assert [int(line.split()[0]) for line in lines[1:5]] == [0, 13, 38, 39]
+    assert lines[5] == "(36 more ranks hold less rss_peak_mib: see metrics.jsonl)" and len(lines) == 6
+    assert len(memory_table(per_rank[:4], most_rows=4).splitlines()) == 5  # few ranks: every one
 
 
 def test_no_warning_when_balanced():

@@ -3,6 +3,7 @@ started here by slurm_cluster.sh): srun, the shipped sbatch script, and preempti
 requeue. Skipped with the reason where SLURM cannot run; in CI (CI=true) that is an error.
 """
 
+import json
 import os
 import subprocess
 import time
@@ -105,24 +106,9 @@ def test_shipped_sbatch_script_trains(slurm, project, tmp_path):
     assert "training on 2 process(es)" in log and "epoch 0:" in log
 
 
-# What runs when SLURM's warning comes: (the run's settings, the log line to signal at).
-WHEN = {
-    "training": (["data.train_size=8192", "train.log_every_steps=5"], "step 20 "),
-    # 16 steps an epoch (512 samples, 16 per task, 2 tasks), then a long evaluation
-    "evaluation": (
-        ["data.train_size=512", "data.val_size=6000", "train.eval_batch_size=2", "train.log_every_steps=1"],
-        "epoch 0 step 16 ",
-    ),
-}
-
-
-@pytest.mark.parametrize("when", list(WHEN))
-def test_usr1_before_time_limit_checkpoints_requeues_and_finishes(slurm, project, tmp_path, when):
-    out = tmp_path / "run"
-    settings, signal_at = WHEN[when]
-    args = [*FAST, *settings, "train.epochs=2", f"output_dir={out}"]
+def submit(project, slurm, sbatch_options, args) -> str:
     submitted = subprocess.run(
-        ["sbatch", "--parsable", *ONE_NODE_TWO_TASKS, "scripts/slurm/train.sbatch", *args],
+        ["sbatch", "--parsable", *ONE_NODE_TWO_TASKS, *sbatch_options, "scripts/slurm/train.sbatch", *args],
         cwd=project,
         env={**slurm, **NO_GPU},
         capture_output=True,
@@ -130,9 +116,15 @@ def test_usr1_before_time_limit_checkpoints_requeues_and_finishes(slurm, project
         timeout=60,
         check=True,
     )
-    job_id = submitted.stdout.strip().split(";")[0]
+    return submitted.stdout.strip().split(";")[0]
+
+
+def test_usr1_before_time_limit_checkpoints_requeues_and_finishes(slurm, project, tmp_path):
+    out = tmp_path / "run"
+    args = [*FAST, "data.train_size=8192", "train.log_every_steps=5", "train.epochs=2", f"output_dir={out}"]
+    job_id = submit(project, slurm, [], args)
     log = project / f"slurm-{job_id}.out"
-    wait_until(lambda: log.is_file() and signal_at in log.read_text(), 120, f"{signal_at!r} in the log")
+    wait_until(lambda: log.is_file() and "step 20 " in log.read_text(), 120, "step 20 in the log")
     # What SLURM does at --signal=B:USR1@90: signal the batch script.
     subprocess.run(["scancel", "--batch", "--signal=USR1", job_id], env=slurm, check=True)
     wait_until(lambda: "JobState=COMPLETED" in job_info(job_id, slurm), 240, "the requeued job to finish")
@@ -143,9 +135,29 @@ def test_usr1_before_time_limit_checkpoints_requeues_and_finishes(slurm, project
     assert f"job {job_id} run 1" in text and "resumed from" in text
     assert "epoch 1:" in text
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
-    if when == "evaluation":
-        assert "the evaluation of epoch 0 stopped; the next run evaluates it again" in text
-        assert "stopped at step 16 by SIGUSR1" in text
+
+
+def test_a_time_limit_during_evaluation_requeues_and_the_job_finishes(slurm, project, tmp_path):
+    # A real time limit: 2 minutes, SIGUSR1 60 s before it (SLURM sends it within a few
+    # seconds of that here). 16 training steps take seconds; the evaluation (200,000
+    # samples one at a time, about 90 s) spans the signal's time.
+    out = tmp_path / "run"
+    args = [*FAST, "data.train_size=512", "data.val_size=200000", "train.eval_batch_size=1", f"output_dir={out}"]
+    job_id = submit(project, slurm, ["--time=2", "--signal=B:USR1@60"], [*args, "train.epochs=1"])
+    log = project / f"slurm-{job_id}.out"
+    wait_until(lambda: log.is_file() and "requeueing job" in log.read_text(), 150, "the requeue")
+    # The next run re-evaluates the epoch, which takes longer than SIGUSR1's 60 s: give it
+    # the time it needs, or every run would stop and requeue in the same evaluation.
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "TimeLimit=10"], env=slurm, check=True)
+    wait_until(lambda: "JobState=COMPLETED" in job_info(job_id, slurm), 400, "the requeued job to finish")
+
+    text = log.read_text()
+    assert "Restarts=1" in job_info(job_id, slurm) and "DUE TO TIME LIMIT" not in text
+    assert "the evaluation of epoch 0 stopped; the next run evaluates it again" in text
+    assert "stopped at step 16 by SIGUSR1; checkpoint saved" in text
+    assert f"job {job_id} run 1" in text and "resumed from" in text
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(row["epoch"], row["num_samples"]) for row in rows] == [(0, 200000)]  # evaluated once, in full
 
 
 def srun(project, slurm, args, tasks=2):

@@ -197,9 +197,9 @@ def multi_node(environ: Mapping[str, str]) -> bool:
 
 
 def check_gloo_address(hostname: str, spans_hosts: bool, environ: Mapping[str, str]) -> None:
-    """gloo listens on the address the host name resolves to. Many images map it to
-    127.0.1.1, which other nodes cannot reach: the job would fail later with gloo's
-    "connectFullMesh failed" or hang. Say so before the first collective."""
+    """gloo listens on the address the host name resolves to. Many container and cloud
+    setups map it to 127.0.1.1, which other nodes cannot reach: the job would fail later
+    with gloo's "connectFullMesh failed" or hang. Say so before the first collective."""
     if not spans_hosts or "GLOO_SOCKET_IFNAME" in environ:
         return
     try:

@@ -156,6 +156,14 @@ def init_distributed_mode(cfg: DistConfig, trace_dir: Path | None = None) -> tup
     return env, device
 
 
+TRACE_FILE_PREFIX = "rank_"
+# The flight recorder's variables under the names older PyTorch releases read.
+OLDER_NAMES = {
+    "TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "TORCH_FR_DUMP_TEMP_FILE": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+}
+
+
 def process_group_env(environ: Mapping[str, str], trace_entries: int, trace_dir: Path | None) -> dict[str, str]:
     """Variables PyTorch reads when the process groups start; those set at launch win.
 
@@ -179,13 +187,6 @@ def process_group_env(environ: Mapping[str, str], trace_entries: int, trace_dir:
     set_at_launch = {name for name in wanted if name in environ}
     set_at_launch |= {new for new, old in OLDER_NAMES.items() if old in environ}
     return {name: value for name, value in wanted.items() if name not in set_at_launch}
-
-
-TRACE_FILE_PREFIX = "rank_"
-OLDER_NAMES = {
-    "TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE",
-    "TORCH_FR_DUMP_TEMP_FILE": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
-}
 
 
 def multi_node(environ: Mapping[str, str]) -> bool:
@@ -234,7 +235,8 @@ def shorten_timeout_after_first_step(optimizer: torch.optim.Optimizer, minutes: 
 def flight_recorder_file() -> Path | None:
     """Where this rank's flight recorder goes (NCCL's watchdog writes it there on a
     timeout; `dump_flight_recorder` for gloo), or None when it is off."""
-    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE", os.environ.get("TORCH_NCCL_DEBUG_INFO_TEMP_FILE"))
+    name = "TORCH_FR_DUMP_TEMP_FILE"
+    prefix = os.environ.get(name, os.environ.get(OLDER_NAMES[name]))
     return Path(f"{prefix}{get_rank()}") if prefix else None
 
 

@@ -160,14 +160,14 @@ def memory_table(per_rank: list[dict], most_rows: int = TABLE_ROWS) -> str:
     keys = list(per_rank[0])
     width = max(len(k) for k in keys) + 1
     header = "rank " + "".join(f"{k:>{width}}" for k in keys)
+    key = imbalance_key(per_rank)
     shown = list(range(len(per_rank)))
     if len(per_rank) > most_rows:
-        key = imbalance_key(per_rank)
         heaviest = sorted(shown[1:], key=lambda rank: per_rank[rank][key], reverse=True)[: most_rows - 1]
         shown = [0, *sorted(heaviest)]
     rows = [f"{rank:>4} " + "".join(f"{per_rank[rank][k]:>{width}g}" for k in keys) for rank in shown]
     if len(shown) < len(per_rank):
-        rows.append(f"({len(per_rank) - len(shown)} more ranks hold less {imbalance_key(per_rank)}: see metrics.jsonl)")
+        rows.append(f"({len(per_rank) - len(shown)} more ranks hold less {key}: see metrics.jsonl)")
     return "\n".join([header, *rows])
 
 

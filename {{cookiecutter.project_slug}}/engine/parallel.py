@@ -22,7 +22,8 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from engine.config import Config
-from engine.distributed import DistEnv, is_main
+from engine.distributed import DistEnv, is_main, stop_all_if_any_fails
+from engine.errors import TaskError
 from engine.logs import log
 from engine.optim import AMP_DTYPES
 
@@ -78,21 +79,33 @@ def build_sharded(build: Callable[[], nn.Module], cfg: Config, env: DistEnv, dev
     """FSDP without a full copy on any device: rank 0 builds the model in host memory,
     the others on meta; all shard the structure on meta, allocate only their shards, and
     receive rank 0's values tensor by tensor. Every rank must call this."""
-    if env.rank == 0:
-        model = build()
-        full = model.state_dict()  # keeps the values alive while the module goes to meta
-        buffers = dict(model.named_buffers())  # also those state_dict leaves out (non-persistent)
-        model.to("meta")
-    else:
-        with torch.device("meta"):
+    with stop_all_if_any_fails(device):  # a build failing on some ranks only stops all
+        if env.rank == 0:
             model = build()
-        full, buffers = {}, {}
+            full = model.state_dict()  # keeps the values alive while the module goes to meta
+            buffers = dict(model.named_buffers())  # also those state_dict leaves out (non-persistent)
+            model.to("meta")
+        else:
+            model = build_on_meta(build)
+            full, buffers = {}, {}
     model = prepare_modules(model, cfg, env, device, blocks)
     shard(model, cfg, device, blocks)
     model.to_empty(device=device)  # each rank's shards, and the (unsharded) buffers
     set_model_state_dict(model, full, options=FROM_RANK_0)
     fill_buffers_from_rank_0(model, buffers)
     return model
+
+
+def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    """The model's structure without memory: every tensor on the meta device."""
+    try:
+        with torch.device("meta"):
+            return build()
+    except (RuntimeError, NotImplementedError) as error:  # what reading a meta tensor's value raises
+        raise TaskError(
+            f"build_model(cfg) fails on the meta device, which FSDP's setup uses on ranks other than 0 ({error}); "
+            "create tensors there without reading their values, or use train.strategy=ddp"
+        ) from error
 
 
 @torch.no_grad()

@@ -12,6 +12,7 @@ import torch
 
 from conftest import FAST, PROJECT, machinery_project, read_metrics, reference_task, run_script
 from engine.checkpoint import load_checkpoint
+from engine.errors import TaskError
 from engine.gpu_processes import (
     SKIPPED,
     GpuUsage,
@@ -23,7 +24,7 @@ from engine.gpu_processes import (
     report_gpu_processes,
 )
 from engine.memory import count_live_tensors, freeze_setup_objects, imbalance_warning, memory_table, report_memory
-from engine.parallel import checkpoint_activations
+from engine.parallel import build_on_meta, checkpoint_activations
 
 reference_model = reference_task().model
 BLOCKS, MLP, small_image_resnet18 = reference_model.BLOCKS, reference_model.MLP, reference_model.small_image_resnet18
@@ -403,3 +404,14 @@ def test_fsdp_setup_holds_shards_only_and_starts_from_the_single_process_weights
     for rank in held:
         assert 0.9 * full / nproc < rank["params"] < 1.1 * full / nproc, (rank, full)
         assert 1.8 * full / nproc < rank["optimizer"] < 2.2 * full / nproc, (rank, full)  # AdamW: 2 moments
+
+
+def test_a_model_that_reads_its_values_while_built_names_the_fsdp_setup():
+    def build():
+        model = torch.nn.Linear(2, 2)
+        model.bias.data *= model.weight.abs().max().item()  # reads a value: impossible on meta
+        return model
+
+    assert build_on_meta(lambda: torch.nn.Linear(2, 2)).weight.is_meta
+    with pytest.raises(TaskError, match="meta device, which FSDP's setup uses"):
+        build_on_meta(build)

@@ -44,7 +44,7 @@ from engine.optim import (
     describe_lr,
     scaled_lr,
 )
-from engine.parallel import memory_format, wrap_model
+from engine.parallel import build_and_wrap, memory_format
 from engine.preemption import StopRequest
 from engine.run_lock import RunLock
 from engine.seeding import capture_rng_state, derive_seed, restore_rng_state, seed_everything, set_determinism
@@ -127,7 +127,8 @@ def load_train_objs(cfg, env, device, checkpointer: Checkpointer):
     steps = steps_per_epoch(train_loader, cfg)
 
     seed_everything(cfg.seed)  # the same initial weights on every rank
-    model, train_model = wrap_model(build_model(cfg), cfg, env, device, BLOCKS)  # SyncBatchNorm, device, DDP
+    # SyncBatchNorm, device, DDP or FSDP (no full copy on any device).
+    model, train_model = build_and_wrap(lambda: build_model(cfg), cfg, env, device, BLOCKS)
     lr = scaled_lr(cfg.train, env.world_size)  # for the effective batch
     optimizer = build_optimizer(model, cfg.train, lr)
     scheduler = build_scheduler(optimizer, cfg.train, steps)

@@ -1,19 +1,33 @@
 """How the model is spread over processes: SyncBatchNorm, activation checkpointing, and
 DDP (a full replica per process) or FSDP (parameters, gradients and optimizer state
 sharded across processes, for models too big for one device).
+
+Under FSDP the full model never reaches a device: rank 0 builds it once in host memory
+(so the initial weights are those of one process with the same seed), the other ranks
+build it on the meta device (no memory), every rank shards the empty structure per
+block, and each tensor then goes from rank 0 to the shards one at a time. What remains:
+rank 0 holds one full copy in host RAM during setup (the other ranks none), and every
+rank one full tensor at a time.
 """
 
 import functools
+from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 import torch.nn as nn
-from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import checkpoint
 
 from engine.config import Config
-from engine.distributed import DistEnv, is_main
+from engine.distributed import DistEnv, is_main, stop_all_if_any_fails
+from engine.errors import TaskError
 from engine.logs import log
+from engine.optim import AMP_DTYPES
+
+FROM_RANK_0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 
 def use_sync_batchnorm(requested: bool, device: torch.device, world_size: int) -> bool:
@@ -25,6 +39,16 @@ def has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
 
+def build_and_wrap(build: Callable[[], nn.Module], cfg: Config, env: DistEnv, device: torch.device, blocks):
+    """The model from `build()` (the task's build_model), ready to train: see wrap_model.
+    Under FSDP on several processes it is built and sharded without a full copy on any
+    device (see the module's docstring); `build()` must then also run on the meta device."""
+    if cfg.train.strategy == "fsdp" and env.world_size > 1:
+        model = build_sharded(build, cfg, env, device, blocks)
+        return model, maybe_compile(model, cfg.train.compile)
+    return wrap_model(build(), cfg, env, device, blocks)
+
+
 def wrap_model(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device, blocks: tuple[type, ...]):
     """SyncBatchNorm conversion, activation checkpointing, the move to the device, then
     DDP or FSDP (in that order: the wrapper must see the final modules on their device).
@@ -32,6 +56,13 @@ def wrap_model(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device
     Returns (model, train_model): the module to save and evaluate, and the one to train
     (the same module for a single process and for FSDP, which shards it in place).
     """
+    model = prepare_modules(model, cfg, env, device, blocks)
+    model.to(device, memory_format=memory_format(cfg))
+    return model, maybe_compile(wrap_ddp_or_fsdp(model, cfg, env, device, blocks), cfg.train.compile)
+
+
+def prepare_modules(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device, blocks) -> nn.Module:
+    """SyncBatchNorm and activation checkpointing: module changes made before any wrapper."""
     if use_sync_batchnorm(cfg.dist.sync_bn, device, env.world_size):
         model = nn.SyncBatchNorm.convert_sync_batchnorm(model)
     elif cfg.dist.sync_bn and env.world_size > 1 and has_batchnorm(model) and is_main():
@@ -41,8 +72,68 @@ def wrap_model(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device
         )
     if cfg.train.activation_checkpointing:
         checkpoint_activations(model, blocks)
-    model.to(device, memory_format=memory_format(cfg))
-    return model, maybe_compile(wrap_ddp_or_fsdp(model, cfg, env, device, blocks), cfg.train.compile)
+    return model
+
+
+def build_sharded(build: Callable[[], nn.Module], cfg: Config, env: DistEnv, device: torch.device, blocks):
+    """FSDP without a full copy on any device: rank 0 builds the model in host memory,
+    the others on meta; all shard the structure on meta, allocate only their shards, and
+    receive rank 0's values tensor by tensor. Every rank must call this."""
+    with stop_all_if_any_fails(device):  # a build failing on some ranks only stops all
+        if env.rank == 0:
+            model = build()
+            full = model.state_dict()  # keeps the values alive while the module goes to meta
+            buffers = dict(model.named_buffers())  # also those state_dict leaves out (non-persistent)
+            model.to("meta")
+        else:
+            model = build_on_meta(build)
+            full, buffers = {}, {}
+    model = prepare_modules(model, cfg, env, device, blocks)
+    shard(model, cfg, device, blocks)
+    model.to_empty(device=device)  # each rank's shards, and the (unsharded) buffers
+    set_model_state_dict(model, full, options=FROM_RANK_0)
+    fill_buffers_from_rank_0(model, buffers)
+    return model
+
+
+def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
+    """The model's structure without memory: every tensor on the meta device."""
+    try:
+        with torch.device("meta"):
+            return build()
+    except (RuntimeError, NotImplementedError) as error:  # what reading a meta tensor's value raises
+        raise TaskError(
+            f"build_model(cfg) fails on the meta device, which FSDP's setup uses on ranks other than 0 ({error}); "
+            "create tensors there without reading their values, or use train.strategy=ddp"
+        ) from error
+
+
+@torch.no_grad()
+def fill_buffers_from_rank_0(model: nn.Module, buffers: dict[str, torch.Tensor]) -> None:
+    """Rank 0's buffers on every rank, the non-persistent ones (not in a state dict) too."""
+    for name, buffer in model.named_buffers():
+        if buffers:
+            buffer.copy_(buffers[name])
+        dist.broadcast(buffer, src=0)
+
+
+def mixed_precision(precision: str) -> MixedPrecisionPolicy:
+    """FSDP's casts: bf16/fp16 parameters for the compute and their all-gathers, fp32
+    gradients for the reduce-scatter (summing N low-precision gradients loses bits), fp32
+    shards for the optimizer. fp32: no casts at all, so training stays exact."""
+    if precision == "fp32":
+        return MixedPrecisionPolicy()
+    return MixedPrecisionPolicy(param_dtype=AMP_DTYPES[precision], reduce_dtype=torch.float32)
+
+
+def shard(model: nn.Module, cfg: Config, device: torch.device, blocks) -> None:
+    """fully_shard per block, then the root for the rest: one all-gather per block, freed after use."""
+    pinned = device.type == "cuda"  # pinned host memory needs a GPU driver
+    offload = CPUOffloadPolicy(pin_memory=pinned) if cfg.train.fsdp_cpu_offload else OffloadPolicy()
+    policy = mixed_precision(cfg.train.precision)
+    for block in [m for m in model.modules() if isinstance(m, blocks)]:
+        fully_shard(block, offload_policy=offload, mp_policy=policy)
+    fully_shard(model, offload_policy=offload, mp_policy=policy)
 
 
 def memory_format(cfg: Config) -> torch.memory_format:
@@ -60,11 +151,7 @@ def wrap_ddp_or_fsdp(model: nn.Module, cfg: Config, env: DistEnv, device: torch.
     if env.world_size == 1:
         return model
     if cfg.train.strategy == "fsdp":
-        pinned = device.type == "cuda"  # pinned host memory needs a GPU driver
-        offload = CPUOffloadPolicy(pin_memory=pinned) if cfg.train.fsdp_cpu_offload else OffloadPolicy()
-        for block in [m for m in model.modules() if isinstance(m, blocks)]:
-            fully_shard(block, offload_policy=offload)  # one all-gather per block, freed after use
-        fully_shard(model, offload_policy=offload)
+        shard(model, cfg, device, blocks)
         return model
     return ModelDDP(
         model,

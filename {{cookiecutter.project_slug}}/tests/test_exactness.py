@@ -16,10 +16,13 @@ def final_state(output_dir):
     return load_checkpoint(output_dir / "checkpoints" / "last.pt")
 
 
-@pytest.mark.parametrize("nproc, batch_size, accum", [(2, 8, 1), (1, 8, 2), (2, 4, 2)])
-def test_world_size_and_accumulation_do_not_change_training(tmp_path, nproc, batch_size, accum):
-    """N processes x batch B x accumulation K trains like 1 process with batch N*B*K."""
-    common = [*FAST, "data.augment=true", "train.epochs=1", "checkpoint.resume=none"]
+@pytest.mark.parametrize(
+    "nproc, batch_size, accum, strategy", [(2, 8, 1, "ddp"), (1, 8, 2, "ddp"), (2, 4, 2, "ddp"), (2, 8, 1, "fsdp")]
+)
+def test_world_size_and_accumulation_do_not_change_training(tmp_path, nproc, batch_size, accum, strategy):
+    """N processes x batch B x accumulation K trains like 1 process with batch N*B*K,
+    with DDP and with FSDP (whose ranks start from rank 0's weights, built once)."""
+    common = [*FAST, "data.augment=true", "train.epochs=1", "checkpoint.resume=none", f"train.strategy={strategy}"]
     reference, other = tmp_path / "reference", tmp_path / "other"
     run_script("train.py", [*common, "train.batch_size=16", f"output_dir={reference}"])
     run_script(

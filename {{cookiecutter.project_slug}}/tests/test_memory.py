@@ -10,8 +10,9 @@ import sys
 import pytest
 import torch
 
-from conftest import FAST, machinery_project, read_metrics, reference_task, run_script
+from conftest import FAST, PROJECT, machinery_project, read_metrics, reference_task, run_script
 from engine.checkpoint import load_checkpoint
+from engine.errors import TaskError
 from engine.gpu_processes import (
     SKIPPED,
     GpuUsage,
@@ -23,7 +24,7 @@ from engine.gpu_processes import (
     report_gpu_processes,
 )
 from engine.memory import count_live_tensors, freeze_setup_objects, imbalance_warning, memory_table, report_memory
-from engine.parallel import checkpoint_activations
+from engine.parallel import build_on_meta, checkpoint_activations
 
 reference_model = reference_task().model
 BLOCKS, MLP, small_image_resnet18 = reference_model.BLOCKS, reference_model.MLP, reference_model.small_image_resnet18
@@ -372,3 +373,45 @@ def test_after_resume_each_process_holds_memory_on_its_own_gpu_only(tmp_path):
     assert all(row["cuda_reserved_peak_mib"] > 0 for row in rows)
     # Had rank 1 loaded the checkpoint onto GPU 0, GPU 0's peak would exceed GPU 1's.
     assert rows[0]["cuda_reserved_peak_mib"] <= 1.25 * rows[1]["cuda_reserved_peak_mib"]
+
+
+SHARDED_SETUP = [*FAST, "model.name=resnet18", "data.image_size=8", "train.strategy=fsdp", "train.optimizer=adamw"]
+
+
+def run_sharded_setup(out, nproc):
+    """tests/sharded_setup.py's per-rank figures, buffers, and (rank 0's) gathered weights."""
+    out.mkdir()
+    script = str(PROJECT / "tests" / "sharded_setup.py")
+    run_script(script, [out, *SHARDED_SETUP], nproc=nproc, env={"PYTHONPATH": str(machinery_project())})
+    ranks = nproc or 1
+    held = [json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(ranks)]
+    buffers = [torch.load(out / f"buffers_{rank}.pt") for rank in range(ranks)]
+    return held, buffers, torch.load(out / "weights.pt")
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_fsdp_setup_holds_shards_only_and_starts_from_the_single_process_weights(tmp_path, nproc):
+    """Each rank holds ~1/N of the parameters and of AdamW's state, and the weights
+    gathered back (BatchNorm statistics included) are bitwise those one process builds."""
+    _, single_buffers, single = run_sharded_setup(tmp_path / "single", None)
+    held, buffers, weights = run_sharded_setup(tmp_path / "sharded", nproc)
+    assert weights.keys() == single.keys()
+    for key, value in single.items():
+        assert torch.equal(weights[key], value), key
+    for rank_buffers in buffers:
+        assert all(torch.equal(rank_buffers[name], value) for name, value in single_buffers[0].items())
+    full = held[0]["full_params"]
+    for rank in held:
+        assert 0.9 * full / nproc < rank["params"] < 1.1 * full / nproc, (rank, full)
+        assert 1.8 * full / nproc < rank["optimizer"] < 2.2 * full / nproc, (rank, full)  # AdamW: 2 moments
+
+
+def test_a_model_that_reads_its_values_while_built_names_the_fsdp_setup():
+    def build():
+        model = torch.nn.Linear(2, 2)
+        model.bias.data *= model.weight.abs().max().item()  # reads a value: impossible on meta
+        return model
+
+    assert build_on_meta(lambda: torch.nn.Linear(2, 2)).weight.is_meta
+    with pytest.raises(TaskError, match="meta device, which FSDP's setup uses"):
+        build_on_meta(build)

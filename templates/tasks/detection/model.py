@@ -4,7 +4,8 @@ What train.py and evaluate.py use from here:
 - `ModelConfig`: the `model:` section of config.yaml, each key with its default.
 - `build_model(cfg) -> nn.Module`: a plain module, unaware of distribution: the
   machinery converts BatchNorm to SyncBatchNorm, moves it to the device and wraps it in
-  DDP or FSDP.
+  DDP or FSDP. Under FSDP, ranks other than 0 build it on the meta device (no memory)
+  and receive rank 0's weights: it may create tensors but not read their values.
 - `training_step(model, batch) -> loss`: the loss of one batch (a tensor), or a dict of
   named losses: backward runs on their sum, and each is logged as `train_<name>`.
 - `build_metrics(cfg) -> {name: metric}` and `validation_step(model, batch, metrics)`:

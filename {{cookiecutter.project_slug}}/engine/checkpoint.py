@@ -1,12 +1,30 @@
-"""Checkpoints: atomic rank-0 writes, CPU-mapped weights-only reads, auto-resume.
+"""Checkpoints: atomic writes, CPU-mapped reads that run no code, auto-resume.
 
 Layout under <output_dir>/checkpoints/:
-  step-00001234.pt   one file per save, the newest `checkpoint.keep_last` kept
+  step-00001234.pt   one file per save (DDP, one process), written by rank 0
+  step-00001234.dcp/ one folder per save under train.strategy=fsdp: each rank writes its
+                     own shards of model and optimizer (engine/sharded.py), rank 0 adds
+                     .metadata and run_state.pt (schedule, counters, config, every rank's
+                     RNG state); no rank ever holds the full state
   last.pt            the newest complete checkpoint (what `resume=auto` continues from)
   best.pt            the epoch with the best checkpoint.best_metric so far
+The newest `checkpoint.keep_last` step checkpoints are kept, of either kind.
+
+last.pt and best.pt keep their names for both kinds, so every command that takes a
+checkpoint (resume, init_from, evaluate.py) takes either. For a file they are hard links
+(copies where the file system has none): best.pt outlives the pruning of its step file.
+A folder cannot be hard-linked, so for a folder they are relative symbolic links, and
+pruning spares the folders they point to (best.pt's folder is then kept beyond
+keep_last, taking the disk space its hard link takes today).
+
+Atomic: a file is written to a '.*.tmp' file and renamed; a folder is written to a
+'.step-N.dcp.tmp' folder by every rank and renamed by rank 0 only after every rank's
+shards, the metadata and run_state.pt are on disk. Names starting with '.' are never
+taken for checkpoints, and the next save removes them.
 
 A checkpoint holds plain data only (tensors, numbers, strings, lists, dicts), so it loads
-with `torch.load(weights_only=True)`, which refuses to run code hidden in a pickle.
+with `torch.load(weights_only=True)`, which refuses to run code hidden in a pickle; a
+folder's .metadata is read by an unpickler that allows DCP's metadata classes only.
 """
 
 import dataclasses
@@ -26,8 +44,19 @@ from engine.errors import CheckpointError, UsageError
 from engine.logs import log
 from engine.optim import scaled_lr
 from engine.seeding import capture_rng_state, restore_rng_state
+from engine.sharded import (
+    METADATA_FILE,
+    load_full,
+    load_sharded,
+    model_shapes,
+    read_metadata,
+    save_sharded,
+    sharded_state_dict,
+)
 
-STEP_FILE = re.compile(r"^step-(\d+)\.pt$")
+STEP_FILE = re.compile(r"^step-(\d+)\.(pt|dcp)$")
+RUN_STATE = "run_state.pt"  # in a sharded checkpoint: all but the model and optimizer
+LINKS = ("last.pt", "best.pt")
 PREFIXES = ("module.", "_orig_mod.")  # added by DDP and torch.compile wrappers
 
 
@@ -116,7 +145,7 @@ def fsync_dir(directory: Path) -> None:
 
 
 def step_checkpoints(directory: Path) -> list[Path]:
-    """step-*.pt files, oldest first."""
+    """step-*.pt files and step-*.dcp folders, oldest first."""
     if not directory.is_dir():
         return []
     found = [p for p in directory.iterdir() if STEP_FILE.match(p.name)]
@@ -124,15 +153,66 @@ def step_checkpoints(directory: Path) -> list[Path]:
 
 
 def prune(directory: Path, keep_last: int) -> None:
+    linked = {os.readlink(directory / name) for name in LINKS if (directory / name).is_symlink()}
     for old in step_checkpoints(directory)[:-keep_last]:
-        old.unlink(missing_ok=True)
+        if old.name not in linked:  # last.pt or best.pt points at it
+            remove(old)
     for stale in directory.glob(".*.tmp"):  # left by a process killed mid-write
-        stale.unlink(missing_ok=True)
+        remove(stale)
 
 
-def load_checkpoint(path: str | Path) -> dict:
-    """Read a checkpoint onto the CPU, refusing anything but plain data."""
+def remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def commit_folder(tmp: Path, final: Path) -> None:
+    """Rename a completely written checkpoint folder into place. A folder saved again at
+    the same step is moved aside first (a folder cannot replace a full one in one rename)."""
+    fsync_dir(tmp)
+    old = final.with_name(f".{final.name}.old.tmp")
+    if final.is_dir():
+        remove(old)
+        os.replace(final, old)
+    os.replace(tmp, final)
+    fsync_dir(final.parent)
+    remove(old)
+
+
+def publish_link(folder: Path, target: Path) -> None:
+    """Point `target` (last.pt, best.pt) at a checkpoint folder, atomically."""
+    tmp = target.with_name(f".{target.name}.link.tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(folder.name, tmp)  # relative: the checkpoints folder may be moved or mounted elsewhere
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
+
+
+def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
+    """Read a checkpoint onto the CPU, refusing anything but plain data. A sharded one
+    (a folder) is read whole by this process, unless `tensors` is False: then without
+    "model" and "optimizer", which `load_sharded` reads shard by shard."""
     path = Path(path)
+    if path.is_dir():
+        return load_sharded_checkpoint(path, tensors)
+    state = load_plain(path)
+    if "model" not in state:
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a checkpoint of this project")
+    return state
+
+
+def load_sharded_checkpoint(path: Path, tensors: bool) -> dict:
+    read_metadata(path / METADATA_FILE)  # refuses a hostile or torn folder before anything else is read
+    state = load_plain(path / RUN_STATE)
+    if "step" not in state:
+        raise CheckpointError(f"checkpoint {str(path)!r} is not a checkpoint of this project")
+    return {**state, **load_full(path)} if tensors else state
+
+
+def load_plain(path: Path) -> dict:
+    """A torch.save file of plain data, onto the CPU."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} not found")
     try:
@@ -142,7 +222,7 @@ def load_checkpoint(path: str | Path) -> dict:
     except Exception as error:
         reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
         raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded: {reason}") from None
-    if not isinstance(state, dict) or "model" not in state:
+    if not isinstance(state, dict):
         raise CheckpointError(f"checkpoint {str(path)!r} is not a checkpoint of this project")
     return state
 
@@ -164,20 +244,26 @@ def strip_prefixes(state_dict: dict) -> dict:
 def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) -> None:
     """Copy weights into `model`, naming the first mismatch if the architectures differ."""
     weights = strip_prefixes(state_dict)
-    expected = model.state_dict()
-    for key, value in expected.items():
-        if key not in weights:
-            raise CheckpointError(f"{source}: model weight {key!r} is missing from the checkpoint")
-        if weights[key].shape != value.shape:
-            raise CheckpointError(
-                f"{source}: {key!r} has shape {tuple(weights[key].shape)} in the checkpoint "
-                f"but {tuple(value.shape)} in the model (different model config?)"
-            )
-    unexpected = sorted(set(weights) - set(expected))
-    if unexpected:
-        raise CheckpointError(f"{source}: the checkpoint has weight {unexpected[0]!r} the model lacks")
+    check_shapes(model, {key: tuple(value.shape) for key, value in weights.items()}, source)
     # Full tensors into a plain, DDP or FSDP (sharded) model alike.
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+
+
+def check_shapes(model: torch.nn.Module, saved: dict[str, tuple], source: str) -> None:
+    """Name the first weight that is missing, extra or shaped differently (FSDP's sharded
+    parameters report their full shape)."""
+    expected = model.state_dict()
+    for key, value in expected.items():
+        if key not in saved:
+            raise CheckpointError(f"{source}: model weight {key!r} is missing from the checkpoint")
+        if saved[key] != tuple(value.shape):
+            raise CheckpointError(
+                f"{source}: {key!r} has shape {saved[key]} in the checkpoint "
+                f"but {tuple(value.shape)} in the model (different model config?)"
+            )
+    unexpected = sorted(set(saved) - set(expected))
+    if unexpected:
+        raise CheckpointError(f"{source}: the checkpoint has weight {unexpected[0]!r} the model lacks")
 
 
 class Checkpointer:
@@ -203,10 +289,13 @@ class Checkpointer:
         state.guard.check(state.scaler)  # never save non-finite weights: stop instead
         is_best = val_metrics is not None and self.is_new_best(state, val_metrics)
         rng_states = gather_objects_on_main(capture_rng_state())  # each rank's, for an exact resume; None off rank 0
-        payload = {**state.state_dict(), "config": dataclasses.asdict(self.cfg), "world_size": self.env.world_size}
-        payload["rng"] = rng_states
+        run = {"config": dataclasses.asdict(self.cfg), "world_size": self.env.world_size, "rng": rng_states}
         keep_last = self.cfg.checkpoint.keep_last
         try:
+            if self.cfg.train.strategy == "fsdp":
+                self.save_sharded(state, {**state.run_state_dict(), **run}, is_best)
+                return
+            payload = {**state.state_dict(), **run}
             with stop_all_if_any_fails(self.device):
                 if is_main():
                     save_checkpoint(payload, self.directory, state.step, keep_last, is_best)
@@ -215,6 +304,37 @@ class Checkpointer:
                 f"checkpoint not saved ({error}); free disk space or choose a writable output_dir "
                 "(earlier checkpoints are intact)"
             ) from None
+
+    def save_sharded(self, state, run_state: dict, is_best: bool) -> None:
+        """Every rank writes its shards into a temporary folder; rank 0 adds run_state.pt
+        and renames the folder into place only when all of it is on disk."""
+        final = self.directory / f"step-{state.step:08d}.dcp"
+        tmp = self.directory / f".{final.name}.tmp"
+        with stop_all_if_any_fails(self.device):
+            if is_main():
+                self.directory.mkdir(parents=True, exist_ok=True)
+                remove(tmp)  # left by a save killed midway
+        try:
+            save_sharded(sharded_state_dict(state.model, state.optimizer), tmp, final)  # raises on every rank alike
+            with stop_all_if_any_fails(self.device):
+                if is_main():
+                    self.finish_sharded(tmp, final, run_state, is_best)
+        except BaseException:
+            if is_main():
+                remove(tmp)  # every rank has stopped writing into it
+            raise
+
+    def finish_sharded(self, tmp: Path, final: Path, run_state: dict, is_best: bool) -> None:
+        try:
+            atomic_write(tmp, RUN_STATE, lambda f: torch.save(run_state, f))
+            commit_folder(tmp, final)
+            publish_link(final, self.directory / "last.pt")
+            if is_best:
+                publish_link(final, self.directory / "best.pt")
+            prune(self.directory, self.cfg.checkpoint.keep_last)
+        except (OSError, RuntimeError) as error:
+            reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
+            raise CheckpointError(f"cannot write {str(final)!r}: {reason}") from None
 
     def last_good(self) -> str:
         """Which checkpoint a run that stops now leaves (checkpoints are written only after
@@ -266,7 +386,11 @@ class Checkpointer:
             return False
         path, ckpt = found
         refuse_changed_settings(path, ckpt["config"], self.cfg)
-        load_model_weights(state.model, ckpt["model"], str(path))
+        if "model" in ckpt:
+            load_model_weights(state.model, ckpt["model"], str(path))
+        else:  # sharded: each rank reads what it holds, resharded to this run's processes
+            check_shapes(state.model, model_shapes(read_metadata(path / METADATA_FILE)), str(path))
+            load_sharded(state.model, state.optimizer, path)
         state.load_state_dict(ckpt)
         if is_main():
             log(f"resumed from {path}: epoch {state.epoch}, step {state.step}")
@@ -311,13 +435,13 @@ def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
         return None
     if cfg.checkpoint.resume != "auto":
         path = Path(cfg.checkpoint.resume)
-        return path, load_checkpoint(path)
+        return path, load_checkpoint(path, tensors=False)
     directory = checkpoint_dir(cfg.output_dir)
     candidates = [directory / "last.pt", *reversed(step_checkpoints(directory))]
-    candidates = [path for path in candidates if path.is_file()]
+    candidates = [path for path in candidates if path.exists()]
     for path in candidates:
         try:
-            return path, load_checkpoint(path)
+            return path, load_checkpoint(path, tensors=False)
         except CheckpointError as error:
             if is_main():
                 log(f"warning: {error}; trying an older checkpoint")

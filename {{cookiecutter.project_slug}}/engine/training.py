@@ -55,6 +55,12 @@ class TrainState:
         return {
             "model": get_model_state_dict(self.model, options=FULL_ON_CPU),
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=FULL_ON_CPU),
+            **self.run_state_dict(),
+        }
+
+    def run_state_dict(self) -> dict:
+        """All but the model and optimizer: small, the same on every rank."""
+        return {
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
             "epoch": self.epoch,
@@ -65,8 +71,10 @@ class TrainState:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Optimizer, schedule and position; the model weights are loaded separately."""
-        set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=FULL)
+        """Optimizer (when `state` holds it whole), schedule and position; the model
+        weights are loaded separately."""
+        if "optimizer" in state:
+            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=FULL)
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.epoch = state["epoch"]

@@ -58,14 +58,18 @@ RESUME = [
 ]
 
 
-@pytest.mark.parametrize("nproc, workers, stop_at", [(None, 0, 37), (2, 2, 21)])
-def test_interrupted_run_resumes_bitwise_identical(tmp_path, nproc, workers, stop_at):
-    args = [*RESUME, f"train.num_workers={workers}"]
+@pytest.mark.parametrize(
+    "nproc, workers, stop_at, strategy", [(None, 0, 37, "ddp"), (2, 2, 21, "ddp"), (2, 0, 21, "fsdp")]
+)
+def test_interrupted_run_resumes_bitwise_identical(tmp_path, nproc, workers, stop_at, strategy):
+    """Under FSDP the checkpoints are sharded folders (each rank writes its own shards)."""
+    args = [*RESUME, f"train.num_workers={workers}", f"train.strategy={strategy}"]
     whole, split = tmp_path / "whole", tmp_path / "split"
     run_script("train.py", [*args, f"output_dir={whole}"], nproc=nproc)
     stopped = run_script("train.py", [*args, f"output_dir={split}", f"train.stop_at_step={stop_at}"], nproc=nproc)
     assert f"stopped at step {stop_at}" in stopped.stdout
     assert final_state(split)["step"] == stop_at
+    assert (split / "checkpoints" / "last.pt").is_dir() == (strategy == "fsdp")
     resumed = run_script("train.py", [*args, f"output_dir={split}"], nproc=nproc)
     assert "resumed from" in resumed.stdout
 
@@ -103,6 +107,52 @@ def test_resume_on_another_world_size_continues_and_says_so(tmp_path):
     assert resumed.stdout.count("the data order from here differs") == 1
     state = final_state(out)
     assert state["epoch"] == 2 and state["step"] == 10 + 1024 // 16 - 10 * 2 + 1024 // 16
+
+
+# Resumes from a checkpoint the way train.py does, then saves what it loaded (rank 0).
+LOAD_AND_DUMP = """
+import os, sys
+sys.path.insert(0, os.getcwd())
+import torch
+import train
+from engine.checkpoint import Checkpointer
+from engine.distributed import cleanup_distributed, init_distributed_mode, is_main
+
+cfg = train.load_config(None, sys.argv[2:], data=train.DataConfig, model=train.ModelConfig)
+env, device = init_distributed_mode(cfg.dist)
+checkpointer = Checkpointer(cfg, env, device)
+state = train.load_train_objs(cfg, env, device, checkpointer)[2]
+checkpointer.resume(state)
+loaded = state.state_dict()
+if is_main():
+    torch.save(loaded, sys.argv[1])
+cleanup_distributed()
+"""
+
+
+@pytest.mark.parametrize("nproc, strategy", [(3, "fsdp"), (2, "ddp"), (None, "ddp")])
+def test_a_sharded_checkpoint_loads_exactly_on_other_layouts(tmp_path, nproc, strategy):
+    """FSDP on 2 processes stops mid-epoch; FSDP on 3 (resharded), DDP on 2 and one
+    process load model and optimizer to the bit, and training continues."""
+    args = [*RESUME, "train.optimizer=adamw", "train.epochs=1"]
+    out = tmp_path / "run"
+    run_script("train.py", [*args, "train.strategy=fsdp", f"output_dir={out}", "train.stop_at_step=10"], nproc=2)
+    saved_path = out / "checkpoints" / "last.pt"
+    assert saved_path.is_dir()
+    saved = load_checkpoint(saved_path)
+    script, dump = tmp_path / "load_and_dump.py", tmp_path / "loaded.pt"
+    script.write_text(LOAD_AND_DUMP)
+    layout = [f"train.strategy={strategy}", f"output_dir={tmp_path / 'other'}", f"checkpoint.resume={saved_path}"]
+    run_script(str(script), [dump, *args, *layout], nproc=nproc)
+    loaded = torch.load(dump, weights_only=True)
+    for part in ("model", "optimizer"):
+        expected, got = tensors(saved[part]), tensors(loaded[part])
+        assert got.keys() == expected.keys()
+        for key, value in expected.items():
+            assert torch.equal(got[key], value), f"{part}{key} differs after loading"
+    assert loaded["scheduler"] == saved["scheduler"] and loaded["step"] == 10
+    resumed = run_script("train.py", [*args, f"train.strategy={strategy}", f"output_dir={out}"], nproc=nproc)
+    assert "resumed from" in resumed.stdout and final_state(out)["epoch"] == 1
 
 
 def test_deterministic_switch():

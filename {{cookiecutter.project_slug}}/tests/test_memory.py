@@ -359,7 +359,9 @@ def test_fsdp_and_ddp_resume_each_other(tmp_path):
     assert a["step"] == b["step"] == 32
     for key, value in a["model"].items():
         torch.testing.assert_close(b["model"][key], value, rtol=1e-4, atol=1e-5, msg=key)
-    assert torch.serialization.get_unsafe_globals_in_checkpoint(str(mixed / "checkpoints" / "last.pt")) == []
+    assert (mixed / "checkpoints" / "last.pt").is_dir()  # FSDP's checkpoints are sharded folders
+    run_state = mixed / "checkpoints" / "last.pt" / "run_state.pt"
+    assert torch.serialization.get_unsafe_globals_in_checkpoint(str(run_state)) == []
     assert read_metrics(mixed)[0]["num_samples"] == 101
 
 

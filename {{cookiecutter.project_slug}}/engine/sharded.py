@@ -1,0 +1,198 @@
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP): every rank writes and
+reads only its own shards of the model and optimizer, and DCP reshards on load (another
+number of processes, DDP or one process).
+
+Reading runs no code from the files. DCP's FileSystemReader unpickles `.metadata` with a
+plain `pickle.load`, and its default planner loads non-tensor items (the optimizer's
+param_groups) with `torch.load(weights_only=False)`. `SafeReader` unpickles the metadata
+allowing DCP's own metadata classes only, and reads every non-tensor item with the
+weights-only unpickler before any planner sees it. Tensors DCP already reads weights-only.
+"""
+
+import io
+import pickle
+from pathlib import Path
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
+
+from engine.errors import CheckpointError
+
+METADATA_FILE = ".metadata"
+
+# Everything a `.metadata` file of DCP's file system writer refers to (torch 2.x).
+METADATA_GLOBALS = {
+    ("torch.distributed.checkpoint.metadata", name)
+    for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "ChunkStorageMetadata",
+        "TensorProperties",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )
+} | {
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),  # a layout by its name
+    ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id when saved with a Path
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+}
+TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """A pickle that names a function or class outside the allowed ones."""
+
+
+class MetadataUnpickler(pickle.Unpickler):
+    """Builds DCP's metadata objects and nothing else: any other global (a function a
+    hostile file would call) is refused before it is looked up."""
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in METADATA_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), TORCH_CONSTANTS):
+            return getattr(torch, name)  # dtypes such as torch.float32
+        raise RefusedGlobal(f"{module}.{name}")
+
+
+def read_metadata(path: str | Path) -> Metadata:
+    """A DCP metadata file, unpickled safely; CheckpointError (one line) otherwise."""
+    path = Path(path)
+    try:
+        with path.open("rb") as f:
+            metadata = MetadataUnpickler(f).load()
+    except RefusedGlobal as error:
+        raise CheckpointError(f"checkpoint {str(path)!r} holds code ({error}); refused") from None
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint {str(path.parent)!r} is incomplete: it has no {path.name}") from None
+    except Exception as error:  # noqa: BLE001  truncated or garbage: any unpickling error
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded: {one_line(error)}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"checkpoint {str(path)!r} is not DCP metadata")
+    return metadata
+
+
+class SafeReader(FileSystemReader):
+    """DCP's file system reader that runs no code from the checkpoint (module docstring)."""
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        metadata = read_metadata(self._get_metadata_path(kwargs.get("rank")))
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+    def read_data(self, plan, planner):
+        return super().read_data(plan, WeightsOnlyBytes(planner, str(self.path)))
+
+
+class WeightsOnlyBytes:
+    """A load planner whose non-tensor items were first read by torch's weights-only
+    unpickler: what reaches the real planner is plain data, saved again by us."""
+
+    def __init__(self, planner, path: str):
+        self.planner, self.path = planner, path
+
+    def __getattr__(self, name: str):
+        return getattr(self.planner, name)
+
+    def load_bytes(self, read_item, value: io.BytesIO) -> None:
+        try:
+            plain = torch.load(value, map_location="cpu", weights_only=True)
+        except Exception as error:  # noqa: BLE001  the unpickler's refusal, or a torn item
+            raise CheckpointError(
+                f"checkpoint {self.path!r} holds code or unreadable data in {read_item.dest_index.fqn!r}; "
+                f"refused ({one_line(error)})"
+            ) from None
+        clean = io.BytesIO()
+        torch.save(plain, clean)
+        clean.seek(0)
+        self.planner.load_bytes(read_item, clean)
+
+
+def sharded_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """This rank's shards of the model and optimizer (plain tensors when not sharded).
+    Every rank must call this."""
+    return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+
+
+def save_sharded(state_dict: dict, directory: Path, shown: Path) -> None:
+    """Every rank writes its shards into `directory`; rank 0 writes `.metadata` after all
+    have written. If any rank fails, every rank raises CheckpointError naming `shown` (the
+    checkpoint's final name). Every rank must call this."""
+    try:
+        dcp.save(state_dict, storage_writer=FileSystemWriter(str(directory), sync_files=True))
+    except CheckpointException as error:
+        raise CheckpointError(f"cannot write {str(shown)!r}: {first_failure(error)}") from None
+
+
+def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Load a sharded checkpoint into the model and optimizer, each rank reading only what
+    it holds. Every rank must call this."""
+    read_metadata(directory / METADATA_FILE)  # DCP would take a refusal for a missing file and go on
+    state_dict = sharded_state_dict(model, optimizer)  # initialises the optimizer's state to be filled
+    try:
+        dcp.load(state_dict, storage_reader=SafeReader(str(directory)))
+    except CheckpointException as error:
+        raise CheckpointError(f"checkpoint {str(directory)!r} cannot be loaded: {first_failure(error)}") from None
+    set_model_state_dict(model, state_dict["model"])
+    set_optimizer_state_dict(model, optimizer, state_dict["optimizer"])
+
+
+def load_full(directory: Path) -> dict:
+    """Every tensor of a sharded checkpoint, whole, on this process's CPU; no collectives
+    (for evaluation, fine-tuning and export: one process reads the whole checkpoint)."""
+    read_metadata(directory / METADATA_FILE)  # DCP would take a refusal for a missing file and go on
+    state_dict: dict = {}
+    try:
+        _load_state_dict(
+            state_dict, storage_reader=SafeReader(str(directory)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+        )
+    except CheckpointException as error:
+        raise CheckpointError(f"checkpoint {str(directory)!r} cannot be loaded: {first_failure(error)}") from None
+    return state_dict
+
+
+def model_shapes(metadata: Metadata) -> dict[str, tuple]:
+    """The model weights' names and full shapes, from the metadata alone."""
+    prefix = "model."
+    return {
+        key[len(prefix) :]: tuple(value.size)
+        for key, value in metadata.state_dict_metadata.items()
+        if key.startswith(prefix) and hasattr(value, "size")
+    }
+
+
+def first_failure(error: CheckpointException) -> str:
+    """The first rank's reason from DCP's collected failures, one line (a CheckpointError's
+    own message, or an OSError's strerror such as "No space left on device")."""
+    failures = getattr(error, "failures", None) or {}
+    for failure in failures.values():
+        failure = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
+        if isinstance(failure, CheckpointError):
+            return str(failure)
+        if isinstance(failure, OSError) and failure.strerror:
+            return failure.strerror
+        return one_line(failure)
+    return one_line(error)
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

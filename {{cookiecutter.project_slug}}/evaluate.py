@@ -9,12 +9,13 @@ given; key=value overrides apply on top (e.g. train.num_workers=0).
 
 import argparse
 import json
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import data
 from data import DataConfig, build_datasets, prepare_data
-from engine.checkpoint import load_checkpoint, load_model_weights
+from engine.checkpoint import load_checkpoint, load_weights
 from engine.config import load_config
 from engine.distributed import (
     cleanup_distributed,
@@ -27,12 +28,13 @@ from engine.loader import build_val_loader
 from engine.logs import report_errors
 from engine.memory import keep_freed_host_memory
 from engine.metrics import evaluate
-from model import ModelConfig, build_metrics, build_model, validation_step
+from engine.parallel import build_for_evaluation
+from model import BLOCKS, ModelConfig, build_metrics, build_model, validation_step
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="checkpoint file (.pt)")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint: a .pt file, or a sharded checkpoint's folder")
     parser.add_argument("--config", default=None, help="YAML config (default: the checkpoint's)")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     return parser.parse_args(argv)
@@ -42,7 +44,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 @report_errors
 def main(argv=None) -> None:
     args = parse_args(argv)
-    ckpt = load_checkpoint(args.checkpoint)
+    # Settings and position only: the weights are read below, and never the optimizer state
+    # of a sharded checkpoint.
+    ckpt = load_checkpoint(args.checkpoint, tensors=False)
     cfg = load_config(args.config, args.overrides, data=DataConfig, model=ModelConfig, base=ckpt.get("config"))
     env, device = init_distributed_mode(cfg.dist)
     try:
@@ -50,9 +54,9 @@ def main(argv=None) -> None:
         with stop_all_if_any_fails(device):
             _, val_set = build_datasets(cfg)
         val_loader = build_val_loader(val_set, cfg, env, device, getattr(data, "collate_fn", None))
-        model = build_model(cfg)
-        load_model_weights(model, ckpt["model"], args.checkpoint)
-        model.to(device)
+        # Under FSDP sharded as in training (no full copy on any device), else a replica.
+        model = build_for_evaluation(lambda: build_model(cfg), cfg, env, device, BLOCKS)
+        load_weights(model, Path(args.checkpoint), ckpt)
         keep_freed_host_memory()  # batches reuse the memory the batch before freed
         metrics = evaluate(model, val_loader, validation_step, build_metrics(cfg), device, cfg.train.precision)
         if is_main():

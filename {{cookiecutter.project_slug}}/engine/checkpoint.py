@@ -249,6 +249,19 @@ def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) ->
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
 
 
+def load_weights(model: torch.nn.Module, path: Path, ckpt: dict, optimizer=None) -> None:
+    """A checkpoint's model weights (and optimizer state, when `optimizer` is given) into a
+    plain, DDP or FSDP model. `ckpt` is what load_checkpoint(path, tensors=False) returned:
+    a file's whole contents, or a sharded folder's run state, whose model (and optimizer)
+    each rank then reads shard by shard, resharded to this run's processes. Every rank
+    must call this."""
+    if "model" in ckpt:
+        load_model_weights(model, ckpt["model"], str(path))
+        return  # a file's optimizer state is loaded by TrainState.load_state_dict
+    check_shapes(model, model_shapes(read_metadata(path / METADATA_FILE)), str(path))
+    load_sharded(model, path, optimizer)
+
+
 def check_shapes(model: torch.nn.Module, saved: dict[str, tuple], source: str) -> None:
     """Name the first weight that is missing, extra or shaped differently (FSDP's sharded
     parameters report their full shape)."""
@@ -380,17 +393,13 @@ class Checkpointer:
         if found is None:
             init_from = self.cfg.checkpoint.init_from
             if init_from:
-                load_model_weights(state.model, load_checkpoint(init_from)["model"], init_from)
+                load_weights(state.model, Path(init_from), load_checkpoint(init_from, tensors=False))
                 if is_main():
                     log(f"initialised model weights from {init_from} (fine-tuning)")
             return False
         path, ckpt = found
         refuse_changed_settings(path, ckpt["config"], self.cfg)
-        if "model" in ckpt:
-            load_model_weights(state.model, ckpt["model"], str(path))
-        else:  # sharded: each rank reads what it holds, resharded to this run's processes
-            check_shapes(state.model, model_shapes(read_metadata(path / METADATA_FILE)), str(path))
-            load_sharded(state.model, state.optimizer, path)
+        load_weights(state.model, path, ckpt, state.optimizer)
         state.load_state_dict(ckpt)
         if is_main():
             log(f"resumed from {path}: epoch {state.epoch}, step {state.step}")

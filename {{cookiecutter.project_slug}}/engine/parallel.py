@@ -49,6 +49,14 @@ def build_and_wrap(build: Callable[[], nn.Module], cfg: Config, env: DistEnv, de
     return wrap_model(build(), cfg, env, device, blocks)
 
 
+def build_for_evaluation(build: Callable[[], nn.Module], cfg: Config, env: DistEnv, device: torch.device, blocks):
+    """The model evaluate.py loads a checkpoint into: under FSDP on several processes
+    sharded as in training (no full copy on any device), otherwise a replica on the device."""
+    if cfg.train.strategy == "fsdp" and env.world_size > 1:
+        return build_sharded(build, cfg, env, device, blocks)
+    return build().to(device)
+
+
 def wrap_model(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device, blocks: tuple[type, ...]):
     """SyncBatchNorm conversion, activation checkpointing, the move to the device, then
     DDP or FSDP (in that order: the wrapper must see the final modules on their device).

@@ -11,6 +11,7 @@ weights-only unpickler before any planner sees it. Tensors DCP already reads wei
 
 import io
 import pickle
+import re
 from pathlib import Path
 
 import torch
@@ -118,7 +119,7 @@ class WeightsOnlyBytes:
         except Exception as error:  # noqa: BLE001  the unpickler's refusal, or a torn item
             raise CheckpointError(
                 f"checkpoint {self.path!r} holds code or unreadable data in {read_item.dest_index.fqn!r}; "
-                f"refused ({one_line(error)})"
+                f"refused ({refused_global(error) or one_line(error)})"
             ) from None
         clean = io.BytesIO()
         torch.save(plain, clean)
@@ -139,20 +140,24 @@ def save_sharded(state_dict: dict, directory: Path, shown: Path) -> None:
     try:
         dcp.save(state_dict, storage_writer=FileSystemWriter(str(directory), sync_files=True))
     except CheckpointException as error:
-        raise CheckpointError(f"cannot write {str(shown)!r}: {first_failure(error)}") from None
+        failure = first_failure(error)
+        raise CheckpointError(f"cannot write {str(shown)!r}: {failure}") from None
 
 
-def load_sharded(model: torch.nn.Module, optimizer: torch.optim.Optimizer, directory: Path) -> None:
-    """Load a sharded checkpoint into the model and optimizer, each rank reading only what
-    it holds. Every rank must call this."""
+def load_sharded(model: torch.nn.Module, directory: Path, optimizer: torch.optim.Optimizer | None = None) -> None:
+    """Load a sharded checkpoint into the model, and the optimizer when given (without
+    one, the optimizer's shards are never read), each rank reading only what it holds.
+    Every rank must call this."""
     read_metadata(directory / METADATA_FILE)  # DCP would take a refusal for a missing file and go on
-    state_dict = sharded_state_dict(model, optimizer)  # initialises the optimizer's state to be filled
+    # The optimizer's entry initialises its state, to be filled in place.
+    state_dict = {"model": get_model_state_dict(model)} if optimizer is None else sharded_state_dict(model, optimizer)
     try:
         dcp.load(state_dict, storage_reader=SafeReader(str(directory)))
     except CheckpointException as error:
-        raise CheckpointError(f"checkpoint {str(directory)!r} cannot be loaded: {first_failure(error)}") from None
+        raise load_error(directory, error) from None
     set_model_state_dict(model, state_dict["model"])
-    set_optimizer_state_dict(model, optimizer, state_dict["optimizer"])
+    if optimizer is not None:
+        set_optimizer_state_dict(model, optimizer, state_dict["optimizer"])
 
 
 def load_full(directory: Path) -> dict:
@@ -165,7 +170,7 @@ def load_full(directory: Path) -> dict:
             state_dict, storage_reader=SafeReader(str(directory)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
         )
     except CheckpointException as error:
-        raise CheckpointError(f"checkpoint {str(directory)!r} cannot be loaded: {first_failure(error)}") from None
+        raise load_error(directory, error) from None
     return state_dict
 
 
@@ -179,18 +184,32 @@ def model_shapes(metadata: Metadata) -> dict[str, tuple]:
     }
 
 
-def first_failure(error: CheckpointException) -> str:
-    """The first rank's reason from DCP's collected failures, one line (a CheckpointError's
-    own message, or an OSError's strerror such as "No space left on device")."""
+def load_error(directory: Path, error: CheckpointException) -> CheckpointError:
+    """Our own refusal as it was raised, or the first rank's reason in one line."""
+    failure = first_failure(error)
+    if isinstance(failure, CheckpointError):
+        return failure
+    return CheckpointError(f"checkpoint {str(directory)!r} cannot be loaded: {failure}")
+
+
+def first_failure(error: CheckpointException) -> str | CheckpointError:
+    """The first rank's reason from DCP's collected failures: our own CheckpointError, or
+    one line (an OSError's strerror such as "No space left on device")."""
     failures = getattr(error, "failures", None) or {}
     for failure in failures.values():
         failure = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
         if isinstance(failure, CheckpointError):
-            return str(failure)
+            return failure
         if isinstance(failure, OSError) and failure.strerror:
             return failure.strerror
         return one_line(failure)
     return one_line(error)
+
+
+def refused_global(error: BaseException) -> str | None:
+    """The function or class the weights-only unpickler refused, e.g. 'io.open'."""
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
+    return found.group(1) if found else None
 
 
 def one_line(error: BaseException) -> str:

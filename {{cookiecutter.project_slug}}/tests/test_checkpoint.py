@@ -16,7 +16,7 @@ from engine.checkpoint import (
 from engine.divergence import NonFiniteGuard
 from engine.optim import build_grad_scaler, build_optimizer, build_scheduler
 from engine.seeding import capture_rng_state
-from engine.sharded import load_full, save_sharded, sharded_state_dict
+from engine.sharded import load_full, load_sharded, save_sharded, sharded_state_dict
 from engine.training import TrainState
 
 MLP = reference_task().model.MLP
@@ -143,11 +143,30 @@ def test_sharded_metadata_that_runs_code_is_refused(tmp_path):
     assert marker.exists()
 
 
+ITEM_REFUSED = r"^checkpoint '.*' holds code or unreadable data in '{}'; refused \(io\.open\)$"
+
+
 def test_sharded_item_that_runs_code_is_refused(tmp_path):
     marker = tmp_path / "pwned"
     _, folder = sharded_checkpoint(tmp_path, extra={"payload": RunsCode(marker)})  # a pickled non-tensor item
-    with pytest.raises(CheckpointError, match=r"holds code or unreadable data in 'payload'; refused"):
+    with pytest.raises(CheckpointError, match=ITEM_REFUSED.format("payload")):
         load_full(folder)
+    assert not marker.exists()
+
+
+def test_model_weights_alone_never_read_the_optimizer_state(tmp_path):
+    """evaluate.py and init_from load a sharded checkpoint's model only: a hostile item in
+    its optimizer state is not even read then, and refused when the optimizer is loaded."""
+    marker = tmp_path / "pwned"
+    state, folder = sharded_checkpoint(tmp_path)
+    saved = sharded_state_dict(state.model, state.optimizer)
+    saved["optimizer"]["param_groups"][0]["lr"] = RunsCode(marker)  # an item the optimizer reads
+    save_sharded(saved, folder, folder)
+    fresh, _ = make_state(seed=1)
+    load_sharded(fresh.model, folder)
+    assert all(torch.equal(fresh.model.state_dict()[k], v) for k, v in state.model.state_dict().items())
+    with pytest.raises(CheckpointError, match=ITEM_REFUSED.format(r"optimizer\.param_groups\.0\.lr")):
+        load_sharded(fresh.model, folder, fresh.optimizer)
     assert not marker.exists()
 
 

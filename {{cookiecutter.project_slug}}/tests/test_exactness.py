@@ -4,6 +4,7 @@ Each test launches real processes (python or torchrun on CPU with gloo).
 """
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -130,29 +131,66 @@ cleanup_distributed()
 """
 
 
-@pytest.mark.parametrize("nproc, strategy", [(3, "fsdp"), (2, "ddp"), (None, "ddp")])
-def test_a_sharded_checkpoint_loads_exactly_on_other_layouts(tmp_path, nproc, strategy):
-    """FSDP on 2 processes stops mid-epoch; FSDP on 3 (resharded), DDP on 2 and one
-    process load model and optimizer to the bit, and training continues."""
-    args = [*RESUME, "train.optimizer=adamw", "train.epochs=1"]
-    out = tmp_path / "run"
-    run_script("train.py", [*args, "train.strategy=fsdp", f"output_dir={out}", "train.stop_at_step=10"], nproc=2)
-    saved_path = out / "checkpoints" / "last.pt"
-    assert saved_path.is_dir()
-    saved = load_checkpoint(saved_path)
+SHARDED = [*RESUME, "train.optimizer=adamw", "train.epochs=1"]
+
+
+@pytest.fixture(scope="module")
+def sharded_run(tmp_path_factory):
+    """FSDP on 2 processes stopped at step 10, mid-epoch: its checkpoints are sharded
+    folders. Tests that train on from it work in a copy."""
+    out = tmp_path_factory.mktemp("sharded") / "run"
+    run_script("train.py", [*SHARDED, "train.strategy=fsdp", f"output_dir={out}", "train.stop_at_step=10"], nproc=2)
+    assert (out / "checkpoints" / "last.pt").is_dir()
+    return out
+
+
+def load_and_dump(tmp_path, args, nproc) -> dict:
+    """What train.py's setup and resume leave in the model and optimizer, as rank 0 sees it."""
     script, dump = tmp_path / "load_and_dump.py", tmp_path / "loaded.pt"
     script.write_text(LOAD_AND_DUMP)
+    run_script(str(script), [dump, *args], nproc=nproc)
+    return torch.load(dump, weights_only=True)
+
+
+def assert_same_tensors(expected: dict, got: dict, what: str) -> None:
+    expected, got = tensors(expected), tensors(got)
+    assert got.keys() == expected.keys()
+    for key, value in expected.items():
+        assert torch.equal(got[key], value), f"{what}{key} differs after loading"
+
+
+@pytest.mark.parametrize("nproc, strategy", [(3, "fsdp"), (2, "ddp"), (None, "ddp")])
+def test_a_sharded_checkpoint_loads_exactly_on_other_layouts(tmp_path, sharded_run, nproc, strategy):
+    """FSDP on 3 processes (resharded), DDP on 2 and one process load the 2-process FSDP
+    checkpoint's model and optimizer to the bit, and training continues."""
+    out = tmp_path / "run"
+    shutil.copytree(sharded_run, out, symlinks=True)
+    saved_path = out / "checkpoints" / "last.pt"
+    saved = load_checkpoint(saved_path)
     layout = [f"train.strategy={strategy}", f"output_dir={tmp_path / 'other'}", f"checkpoint.resume={saved_path}"]
-    run_script(str(script), [dump, *args, *layout], nproc=nproc)
-    loaded = torch.load(dump, weights_only=True)
+    loaded = load_and_dump(tmp_path, [*SHARDED, *layout], nproc)
     for part in ("model", "optimizer"):
-        expected, got = tensors(saved[part]), tensors(loaded[part])
-        assert got.keys() == expected.keys()
-        for key, value in expected.items():
-            assert torch.equal(got[key], value), f"{part}{key} differs after loading"
+        assert_same_tensors(saved[part], loaded[part], part)
     assert loaded["scheduler"] == saved["scheduler"] and loaded["step"] == 10
-    resumed = run_script("train.py", [*args, f"train.strategy={strategy}", f"output_dir={out}"], nproc=nproc)
+    resumed = run_script("train.py", [*SHARDED, f"train.strategy={strategy}", f"output_dir={out}"], nproc=nproc)
     assert "resumed from" in resumed.stdout and final_state(out)["epoch"] == 1
+
+
+def test_evaluate_and_init_from_read_a_sharded_checkpoint(tmp_path, sharded_run):
+    """evaluate.py gives the same bits on 1, 2 and 3 processes (FSDP-sharded on 2 and 3,
+    as the checkpoint's config says), and fine-tuning starts from its weights only."""
+    checkpoint = sharded_run / "checkpoints" / "last.pt"
+    results = []
+    for nproc in (None, 2, 3):
+        args = ["--checkpoint", checkpoint, "train.eval_batch_size=11"]
+        results.append(json.loads(run_script("evaluate.py", args, nproc=nproc).stdout.strip().splitlines()[-1]))
+    assert results[0]["num_samples"] == 101 and results[0]["step"] == 10
+    assert results == [results[0]] * 3
+
+    fine_tune = [f"output_dir={tmp_path / 'fine_tune'}", f"checkpoint.init_from={checkpoint}"]
+    loaded = load_and_dump(tmp_path, [*SHARDED, *fine_tune], None)
+    assert_same_tensors(load_checkpoint(checkpoint)["model"], loaded["model"], "model")
+    assert (loaded["epoch"], loaded["step"]) == (0, 0)  # weights only: the run starts at its beginning
 
 
 def test_deterministic_switch():

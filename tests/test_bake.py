@@ -11,7 +11,7 @@ from conftest import CHOICES, TEMPLATE, bake
 from cookiecutter.exceptions import FailedHookException
 
 # The top of a baked project: what the user edits, and one package of machinery.
-USER_FILES = {"train.py", "evaluate.py", "model.py", "data.py", "config.yaml"}
+USER_FILES = {"train.py", "evaluate.py", "export.py", "model.py", "data.py", "config.yaml"}
 TOP_LEVEL = USER_FILES | {"engine", "tests", "scripts", "README.md", "LICENSE", "pyproject.toml"}
 
 
@@ -22,7 +22,7 @@ def rendered_files(project):
 def test_defaults_bake_a_complete_project(baked):
     assert baked.name == "ddp_classifier"
     assert {p.name for p in baked.iterdir() if not p.name.startswith(".")} == TOP_LEVEL
-    assert {p.name for p in baked.glob("*.py")} == {"train.py", "evaluate.py", "model.py", "data.py"}
+    assert {p.name for p in baked.glob("*.py")} == {"train.py", "evaluate.py", "export.py", "model.py", "data.py"}
     assert (baked / "scripts" / "slurm" / "train.sbatch").is_file()
     for path in rendered_files(baked):
         text = path.read_text()

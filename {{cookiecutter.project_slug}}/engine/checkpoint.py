@@ -211,6 +211,16 @@ def load_sharded_checkpoint(path: Path, tensors: bool) -> dict:
     return {**state, **load_full(path)} if tensors else state
 
 
+def load_model_state(path: str | Path) -> dict:
+    """A checkpoint's model weights, whole, on the CPU, without wrapper prefixes (for
+    export). A sharded folder's optimizer state is not read."""
+    path = Path(path)
+    if not path.is_dir():
+        return strip_prefixes(load_checkpoint(path)["model"])
+    load_sharded_checkpoint(path, tensors=False)  # refuses what is not a checkpoint of this project
+    return strip_prefixes(load_full(path, keys={"model"})["model"])
+
+
 def load_plain(path: Path) -> dict:
     """A torch.save file of plain data, onto the CPU."""
     if not path.is_file():

@@ -160,14 +160,17 @@ def load_sharded(model: torch.nn.Module, directory: Path, optimizer: torch.optim
         set_optimizer_state_dict(model, optimizer, state_dict["optimizer"])
 
 
-def load_full(directory: Path) -> dict:
-    """Every tensor of a sharded checkpoint, whole, on this process's CPU; no collectives
-    (for evaluation, fine-tuning and export: one process reads the whole checkpoint)."""
+def load_full(directory: Path, keys: set[str] | None = None) -> dict:
+    """Every tensor of a sharded checkpoint (or those under the top-level `keys`), whole,
+    on this process's CPU, without collectives: one process reads the checkpoint."""
     read_metadata(directory / METADATA_FILE)  # DCP would take a refusal for a missing file and go on
     state_dict: dict = {}
     try:
         _load_state_dict(
-            state_dict, storage_reader=SafeReader(str(directory)), planner=_EmptyStateDictLoadPlanner(), no_dist=True
+            state_dict,
+            storage_reader=SafeReader(str(directory)),
+            planner=_EmptyStateDictLoadPlanner(keys=keys),
+            no_dist=True,
         )
     except CheckpointException as error:
         raise load_error(directory, error) from None

@@ -87,12 +87,12 @@ def import_file(name: str, path: Path):
 @functools.cache
 def machinery_project() -> Path:
     """A copy of this project's machinery with the reference task as its model.py,
-    data.py and config.yaml: where the machinery's tests run train.py and evaluate.py."""
+    data.py and config.yaml: where the machinery's tests run train.py, evaluate.py and export.py."""
     root = Path(tempfile.mkdtemp(prefix="machinery-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     project = root / PROJECT.name
     shutil.copytree(PROJECT / "engine", project / "engine", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("train.py", "evaluate.py"):
+    for name in ("train.py", "evaluate.py", "export.py"):
         shutil.copy(PROJECT / name, project / name)
     for name in ("model.py", "data.py", "config.yaml"):
         shutil.copy(REFERENCE_TASK / name, project / name)

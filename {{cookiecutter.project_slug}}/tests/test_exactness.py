@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 
-from conftest import FAST, read_metrics, run_script, tensors
+from conftest import FAST, read_metrics, reference_config, reference_task, run_script, tensors
 from engine.checkpoint import load_checkpoint
 
 
@@ -176,9 +176,10 @@ def test_a_sharded_checkpoint_loads_exactly_on_other_layouts(tmp_path, sharded_r
     assert "resumed from" in resumed.stdout and final_state(out)["epoch"] == 1
 
 
-def test_evaluate_and_init_from_read_a_sharded_checkpoint(tmp_path, sharded_run):
+def test_evaluate_init_from_and_export_read_a_sharded_checkpoint(tmp_path, sharded_run):
     """evaluate.py gives the same bits on 1, 2 and 3 processes (FSDP-sharded on 2 and 3,
-    as the checkpoint's config says), and fine-tuning starts from its weights only."""
+    as the checkpoint's config says); fine-tuning starts from its weights only; export.py
+    writes them as one plain file that loads into the model, and never overwrites a file."""
     checkpoint = sharded_run / "checkpoints" / "last.pt"
     results = []
     for nproc in (None, 2, 3):
@@ -191,6 +192,18 @@ def test_evaluate_and_init_from_read_a_sharded_checkpoint(tmp_path, sharded_run)
     loaded = load_and_dump(tmp_path, [*SHARDED, *fine_tune], None)
     assert_same_tensors(load_checkpoint(checkpoint)["model"], loaded["model"], "model")
     assert (loaded["epoch"], loaded["step"]) == (0, 0)  # weights only: the run starts at its beginning
+
+    exported = tmp_path / "weights" / "model.pt"
+    shown = run_script("export.py", ["--checkpoint", checkpoint, "--out", exported]).stdout
+    assert shown.startswith(f"wrote {exported}: ")
+    model = reference_task().model.build_model(reference_config(None, SHARDED))
+    model.load_state_dict(torch.load(exported, weights_only=True))  # strict: every name and shape
+    assert_same_tensors(load_checkpoint(checkpoint)["model"], model.state_dict(), "model")
+    again = run_script("export.py", ["--checkpoint", checkpoint, "--out", exported], check=False)
+    assert (
+        again.returncode == 2
+        and again.stderr == f"error: {str(exported)!r} already exists; choose another --out or remove it first\n"
+    )
 
 
 def test_deterministic_switch():

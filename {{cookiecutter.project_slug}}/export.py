@@ -1,0 +1,44 @@
+"""Export a checkpoint's model weights as one plain file, for inference.
+
+  python export.py --checkpoint runs/default/checkpoints/best.pt --out model.pt
+
+Takes either kind of checkpoint: a .pt file, or the folder an FSDP run saves. It runs in
+one process and holds the whole model in host memory (never the optimizer state of a
+folder, which it does not read). Load the result into the model you train:
+
+  model = build_model(cfg)
+  model.load_state_dict(torch.load("model.pt", weights_only=True))
+"""
+
+import argparse
+from pathlib import Path
+
+import torch
+
+from engine.checkpoint import atomic_write, load_model_state
+from engine.errors import UsageError
+from engine.logs import report_errors
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="checkpoint: a .pt file, or a sharded checkpoint's folder")
+    parser.add_argument("--out", required=True, help="the weights file to write (must not exist yet)")
+    return parser.parse_args(argv)
+
+
+@report_errors
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    out = Path(args.out)
+    if out.exists():  # it may be a checkpoint: never overwrite one
+        raise UsageError(f"{str(out)!r} already exists; choose another --out or remove it first")
+    weights = load_model_state(args.checkpoint)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out.parent, out.name, lambda f: torch.save(weights, f))
+    size = sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
+    print(f"wrote {out}: {len(weights)} tensors, {size / 2**20:.1f} MiB", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -44,7 +44,7 @@ from engine.optim import (
     describe_lr,
     scaled_lr,
 )
-from engine.parallel import build_and_wrap, memory_format
+from engine.parallel import build_and_wrap, is_sharded, memory_format
 from engine.preemption import StopRequest
 from engine.run_lock import RunLock
 from engine.seeding import capture_rng_state, derive_seed, restore_rng_state, seed_everything, set_determinism
@@ -88,7 +88,8 @@ def main(argv=None) -> None:
         shorten_timeout_after_first_step(state.optimizer, cfg.dist.step_timeout_minutes, [stop.group])
 
         freeze_setup_objects()  # no full garbage collection pauses inside the steps
-        keep_freed_host_memory()  # no page faults for the memory each step frees and takes again
+        # No page faults for the memory each step frees and takes again (not under FSDP).
+        keep_freed_host_memory(sharded=is_sharded(cfg, env))
         try:
             while state.epoch < cfg.train.epochs:
                 if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)

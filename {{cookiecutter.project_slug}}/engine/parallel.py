@@ -35,6 +35,11 @@ def use_sync_batchnorm(requested: bool, device: torch.device, world_size: int) -
     return requested and device.type == "cuda" and world_size > 1
 
 
+def is_sharded(cfg: Config, env: DistEnv) -> bool:
+    """Whether FSDP shards the model across processes (on one process it stays whole)."""
+    return cfg.train.strategy == "fsdp" and env.world_size > 1
+
+
 def has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
 
@@ -43,7 +48,7 @@ def build_and_wrap(build: Callable[[], nn.Module], cfg: Config, env: DistEnv, de
     """The model from `build()` (the task's build_model), ready to train: see wrap_model.
     Under FSDP on several processes it is built and sharded without a full copy on any
     device (see the module's docstring); `build()` must then also run on the meta device."""
-    if cfg.train.strategy == "fsdp" and env.world_size > 1:
+    if is_sharded(cfg, env):
         model = build_sharded(build, cfg, env, device, blocks)
         return model, maybe_compile(model, cfg.train.compile)
     return wrap_model(build(), cfg, env, device, blocks)
@@ -52,7 +57,7 @@ def build_and_wrap(build: Callable[[], nn.Module], cfg: Config, env: DistEnv, de
 def build_for_evaluation(build: Callable[[], nn.Module], cfg: Config, env: DistEnv, device: torch.device, blocks):
     """The model evaluate.py loads a checkpoint into: under FSDP on several processes
     sharded as in training (no full copy on any device), otherwise a replica on the device."""
-    if cfg.train.strategy == "fsdp" and env.world_size > 1:
+    if is_sharded(cfg, env):
         return build_sharded(build, cfg, env, device, blocks)
     return build().to(device)
 

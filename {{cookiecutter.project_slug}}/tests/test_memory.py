@@ -214,7 +214,7 @@ from engine.memory import keep_freed_host_memory
 torch.manual_seed(0)
 layer = torch.nn.Conv2d(3, 16, 3, padding=1)
 images = torch.randn(32, 3, 128, 128)  # activations of 32 MiB: above glibc's largest adaptive threshold
-applied = keep_freed_host_memory() if sys.argv[1] == "keep" else None
+applied = keep_freed_host_memory(sharded=sys.argv[1] == "keep, fsdp") if sys.argv[1].startswith("keep") else None
 faults = []
 for step in range(12):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -231,6 +231,7 @@ ACTIVATION_PAGES = 32 * 16 * 128 * 128 * 4 // resource.getpagesize()  # one acti
     [
         ("keep", {}, True, True),
         ("glibc defaults", {}, None, False),  # the control: without the setting, steps fault
+        ("keep, fsdp", {}, False, False),  # FSDP's gathered blocks would fragment a heap that keeps them
         ("keep", {"MALLOC_TRIM_THRESHOLD_": "131072"}, False, False),  # set at launch: it wins
         ("keep", {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}, False, False),
     ],
@@ -380,11 +381,11 @@ def test_after_resume_each_process_holds_memory_on_its_own_gpu_only(tmp_path):
 SHARDED_SETUP = [*FAST, "model.name=resnet18", "data.image_size=8", "train.strategy=fsdp", "train.optimizer=adamw"]
 
 
-def run_sharded_setup(out, nproc):
+def run_sharded_setup(out, nproc, *args):
     """tests/sharded_setup.py's per-rank figures, buffers, and (rank 0's) gathered weights."""
     out.mkdir()
     script = str(PROJECT / "tests" / "sharded_setup.py")
-    run_script(script, [out, *SHARDED_SETUP], nproc=nproc, env={"PYTHONPATH": str(machinery_project())})
+    run_script(script, [out, *args, *SHARDED_SETUP], nproc=nproc, env={"PYTHONPATH": str(machinery_project())})
     ranks = nproc or 1
     held = [json.loads((out / f"rank_{rank}.json").read_text()) for rank in range(ranks)]
     buffers = [torch.load(out / f"buffers_{rank}.pt") for rank in range(ranks)]
@@ -406,6 +407,23 @@ def test_fsdp_setup_holds_shards_only_and_starts_from_the_single_process_weights
     for rank in held:
         assert 0.9 * full / nproc < rank["params"] < 1.1 * full / nproc, (rank, full)
         assert 1.8 * full / nproc < rank["optimizer"] < 2.2 * full / nproc, (rank, full)  # AdamW: 2 moments
+
+
+@pytest.mark.parametrize("nproc", [2, 4])
+def test_under_fsdp_no_rank_holds_a_full_copy_beyond_rank_0s_setup(tmp_path, nproc):
+    """A 24-block MLP (100 MiB of weights), with train.py's host-memory setting. Peaks
+    are above each phase's start. Rank 0 builds the model whole in host memory, once
+    (the setup's remaining limit); no other rank ever holds a full copy, nor does any
+    rank while saving, and rank 0's peak over the run is that of the others."""
+    held, _, _ = run_sharded_setup(tmp_path / "deep", nproc, "--deep-mlp")
+    full_mib = held[0]["full_params"] / 2**20
+    for rank in held:
+        assert rank["save_peak_mib"] < 0.25 * full_mib, rank  # every rank writes its own shards
+    assert full_mib < held[0]["setup_peak_mib"] < 2 * full_mib, held[0]  # one copy, not two
+    for rank in held[1:]:
+        assert rank["setup_peak_mib"] < 0.75 * full_mib, rank  # its shard and one block at a time
+    peaks = [max(rank["setup_peak_mib"], rank["step_peak_mib"], rank["save_peak_mib"]) for rank in held]
+    assert peaks[0] < 1.2 * max(peaks[1:]), peaks
 
 
 def test_a_model_that_reads_its_values_while_built_names_the_fsdp_setup():

@@ -34,7 +34,7 @@ from engine.divergence import NonFiniteGuard
 from engine.gpu_processes import report_gpu_processes
 from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
 from engine.logs import QuietLog, RunLog, log, report_errors
-from engine.memory import freeze_setup_objects, keep_freed_host_memory, report_memory
+from engine.memory import freeze_setup_objects, keep_freed_host_memory, report_memory, train_state_mib
 from engine.metrics import evaluate
 from engine.optim import (
     build_grad_scaler,
@@ -219,7 +219,7 @@ def end_epoch(state: TrainState, val_loader, cfg, stop: StopRequest, checkpointe
         restore_rng_state(rng)
         run_log.log(f"the evaluation of epoch {state.epoch} stopped; the next run evaluates it again")
         return False
-    memory = report_memory(state.device, f"epoch {state.epoch}")
+    memory = report_memory(state.device, f"epoch {state.epoch}", train_state_mib(state.model, state.optimizer))
     row = {"epoch": state.epoch, "step": state.step, **train_metrics, **val_metrics}
     state.finish_epoch()
     checkpointer.save(state, val_metrics)  # best.pt by checkpoint.best_metric

@@ -15,6 +15,7 @@ import statistics
 import warnings
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from engine.distributed import gather_objects_on_main, is_main
 from engine.gpu_processes import report_gpu_processes
@@ -157,10 +158,10 @@ def count_live_tensors() -> int:
     return count
 
 
-def gather_memory(device: torch.device) -> list[dict] | None:
+def gather_memory(device: torch.device, held: dict) -> list[dict] | None:
     """Every rank's snapshot, in rank order, on rank 0 (None elsewhere): a few hundred
     bytes a rank, once an epoch. Every rank must call this."""
-    return gather_objects_on_main(memory_snapshot(device))
+    return gather_objects_on_main({**memory_snapshot(device), **held})
 
 
 def memory_table(per_rank: list[dict], most_rows: int = TABLE_ROWS) -> str:
@@ -198,16 +199,29 @@ def imbalance_warning(per_rank: list[dict]) -> str | None:
     return None
 
 
-def report_memory(device: torch.device, when: str) -> list[dict] | None:
-    """Gather every rank's memory; rank 0 logs a table and any imbalance, then the GPU
-    section (every process on the GPUs, from NVML). Every rank must call this. Returns
-    the per-rank figures on rank 0 (for metrics.jsonl), None elsewhere.
+def train_state_mib(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """What this rank holds of the weights and of the optimizer state, in MiB: all of it
+    under DDP, about 1/N under FSDP (its shards)."""
+
+    def local_mib(tensors) -> float:
+        tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if isinstance(t, torch.Tensor)]
+        return round(sum(t.nbytes for t in tensors) / 2**20, 1)
+
+    state = [value for slots in optimizer.state.values() for value in slots.values()]
+    return {"params_mib": local_mib(model.parameters()), "optimizer_mib": local_mib(state)}
+
+
+def report_memory(device: torch.device, when: str, held: dict | None = None) -> list[dict] | None:
+    """Gather every rank's memory (and what it `held`, e.g. train_state_mib); rank 0 logs
+    a table and any imbalance, then the GPU section (every process on the GPUs, from
+    NVML). Every rank must call this. Returns the per-rank figures on rank 0 (for
+    metrics.jsonl), None elsewhere.
 
     Then the CUDA peaks restart, so that each report's peaks are its own period's: a
     peak from setup no longer hides what later epochs take. The imbalance warning still
     compares like with like (every rank restarts at the same point), and memory that
     stays reserved (e.g. a checkpoint loaded onto GPU 0) is the new period's floor."""
-    per_rank = gather_memory(device)
+    per_rank = gather_memory(device, held or {})
     if is_main():
         log(f"memory per rank, MiB ({when}):\n{memory_table(per_rank)}")
         warning = imbalance_warning(per_rank)

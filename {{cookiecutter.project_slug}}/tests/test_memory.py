@@ -364,6 +364,11 @@ def test_fsdp_and_ddp_resume_each_other(tmp_path):
     run_state = mixed / "checkpoints" / "last.pt" / "run_state.pt"
     assert torch.serialization.get_unsafe_globals_in_checkpoint(str(run_state)) == []
     assert read_metrics(mixed)[0]["num_samples"] == 101
+    # The memory report shows each rank's share: FSDP's shards are half of DDP's replica.
+    replica, shards = read_metrics(ddp)[0]["memory"], read_metrics(mixed)[0]["memory"]
+    for ddp_rank, fsdp_rank in zip(replica, shards, strict=True):
+        for key in ("params_mib", "optimizer_mib"):
+            assert fsdp_rank[key] == pytest.approx(ddp_rank[key] / 2, rel=0.1), (key, ddp_rank, fsdp_rank)
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")

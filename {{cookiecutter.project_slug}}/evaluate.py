@@ -26,7 +26,7 @@ from engine.distributed import (
 )
 from engine.loader import build_val_loader
 from engine.logs import report_errors
-from engine.memory import keep_freed_host_memory
+from engine.memory import set_host_allocator
 from engine.metrics import evaluate
 from engine.parallel import build_for_evaluation, is_sharded
 from model import BLOCKS, ModelConfig, build_metrics, build_model, validation_step
@@ -57,7 +57,7 @@ def main(argv=None) -> None:
         # Under FSDP sharded as in training (no full copy on any device), else a replica.
         model = build_for_evaluation(lambda: build_model(cfg), cfg, env, device, BLOCKS)
         load_weights(model, Path(args.checkpoint), ckpt)
-        keep_freed_host_memory(sharded=is_sharded(cfg, env))  # batches reuse what the batch before freed
+        set_host_allocator(sharded=is_sharded(cfg, env))  # as train.py does
         metrics = evaluate(model, val_loader, validation_step, build_metrics(cfg), device, cfg.train.precision)
         if is_main():
             print(json.dumps({"checkpoint": args.checkpoint, "step": ckpt.get("step"), **metrics}), flush=True)

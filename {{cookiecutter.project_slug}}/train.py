@@ -34,7 +34,7 @@ from engine.divergence import NonFiniteGuard
 from engine.gpu_processes import report_gpu_processes
 from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
 from engine.logs import QuietLog, RunLog, log, report_errors
-from engine.memory import freeze_setup_objects, keep_freed_host_memory, report_memory, train_state_mib
+from engine.memory import freeze_setup_objects, report_memory, set_host_allocator, train_state_mib
 from engine.metrics import evaluate
 from engine.optim import (
     build_grad_scaler,
@@ -88,8 +88,7 @@ def main(argv=None) -> None:
         shorten_timeout_after_first_step(state.optimizer, cfg.dist.step_timeout_minutes, [stop.group])
 
         freeze_setup_objects()  # no full garbage collection pauses inside the steps
-        # No page faults for the memory each step frees and takes again (not under FSDP).
-        keep_freed_host_memory(sharded=is_sharded(cfg, env))
+        set_host_allocator(sharded=is_sharded(cfg, env))  # what each step frees: kept, or given back (FSDP)
         try:
             while state.epoch < cfg.train.epochs:
                 if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)

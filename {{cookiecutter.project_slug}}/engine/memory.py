@@ -24,10 +24,11 @@ from engine.logs import log
 IMBALANCE = 1.25  # warn when a rank holds more than this times the median
 TABLE_ROWS = 16  # the table's rows at most: two nodes of 8 GPUs show in full
 
-# glibc's mallopt() parameters, and the values the training steps run with.
+# glibc's mallopt() parameters, and the values the training steps run with (set_host_allocator).
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 HEAP_BLOCKS_UP_TO = 256 * 2**20  # blocks up to this size come from the heap, not their own mmap
 KEEP_FREE_AT_HEAP_TOP = 512 * 2**20  # free memory kept at the heap's top, not given back
+OWN_MMAP_ABOVE = 128 * 2**10  # under FSDP: glibc's initial threshold, fixed (it no longer rises)
 # The same settings made at launch, which win: variables, and names in GLIBC_TUNABLES.
 SETTINGS = ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")
 LAUNCH_VARIABLES = [f"MALLOC_{name.upper()}_" for name in SETTINGS]
@@ -105,40 +106,40 @@ def freeze_setup_objects() -> None:
     gc.freeze()
 
 
-def keep_freed_host_memory(sharded: bool = False) -> bool:
-    """Let each training step reuse the host memory the step before freed, instead of
-    having the kernel map and zero it again. Returns whether the setting was applied:
-    not for a model FSDP shards (`sharded`), nor where the launch set the allocator.
+def set_host_allocator(sharded: bool) -> bool:
+    """Fix glibc's allocator thresholds for the training steps. Returns whether it was
+    set: not where the launch set it, nor with another C library.
 
     With glibc's defaults, a block above an adaptive threshold (at most 32 MiB) gets its
-    own mmap and goes back to the kernel when freed, and free memory at the heap's top
-    goes back once it exceeds twice that threshold. A step frees and allocates the same
-    activations every time, so on a CPU each step page-faulted them in anew: about
-    31,000 faults per ResNet-18 step (batch 32), 5% of its time. Fixed thresholds keep
-    them in the heap. The peak is unchanged; what is freed after it stays with the
-    process, up to 512 MiB at the heap's top. On a GPU the step's tensors are in CUDA's
-    caching allocator, which already keeps what it frees; the host heap still holds the
-    batches that `num_workers=0` collates in this process, and workers started later
-    inherit the setting.
-
-    Not under FSDP: each block's parameters are gathered whole and its gradients made
-    whole for each use, then freed, in blocks of every size; kept in the heap they
-    fragment it, and the sharding's saving is lost. Measured on a 101M-parameter MLP of
-    24 blocks with AdamW, 2 CPU processes: the step's peak RSS per rank was 3,147-3,347
-    MiB with this setting, 1,590 MiB with glibc's defaults (DDP: 2,443-2,531 vs 2,397).
+    own mmap and goes back to the kernel when freed, and the threshold rises to the size
+    of each such block freed. Both settings below fix it, so it stops moving.
+    - DDP, one process: blocks up to 256 MiB come from the heap and stay there when
+      freed (up to 512 MiB at the heap's top). A step frees and allocates the same
+      activations every time; with the defaults each CPU step page-faulted them in anew,
+      about 31,000 faults per ResNet-18 step (batch 32), 5% of its time.
+    - FSDP (`sharded`): blocks above glibc's initial 128 KiB get their own mmap and go
+      back when freed. Each block's parameters are gathered whole and its gradients
+      made whole for every use, then freed, in blocks of every size: kept in the heap,
+      they fragment it and the sharding's saving is lost. Measured on a 101M-parameter
+      MLP of 24 blocks with AdamW on 2 CPU processes, the step's peak RSS per rank was
+      1,590 MiB with this, 2,827-3,172 with glibc's defaults and 3,147-3,347 with the
+      DDP setting (DDP itself: 2,443-2,531 with its setting, 2,397 with this one).
+    On a GPU the step's tensors are in CUDA's caching allocator, which keeps what it
+    frees; the host heap still holds the batches that `num_workers=0` collates in this
+    process, and workers started later inherit the setting.
 
     Call it after setup, so that what setup freed (e.g. building a dataset) has already
     gone back. The same settings made at launch (MALLOC_TRIM_THRESHOLD_ etc., or in
     GLIBC_TUNABLES) win, and other C libraries are left alone.
     """
-    if sharded:
-        return False
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     if any(name in os.environ for name in LAUNCH_VARIABLES) or any(name in tunables for name in TUNABLES):
         return False
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)  # the C library this process already runs on
+    if sharded:
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, OWN_MMAP_ABOVE))
     return bool(
         libc.mallopt(M_MMAP_THRESHOLD, HEAP_BLOCKS_UP_TO) and libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREE_AT_HEAP_TOP)
     )

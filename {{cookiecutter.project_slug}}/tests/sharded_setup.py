@@ -22,7 +22,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from data import DataConfig
 from engine.config import load_config
 from engine.distributed import cleanup_distributed, init_distributed_mode
-from engine.memory import keep_freed_host_memory
+from engine.memory import set_host_allocator
 from engine.optim import build_optimizer
 from engine.parallel import build_and_wrap, is_sharded
 from engine.seeding import seed_everything
@@ -76,7 +76,7 @@ def main(out: Path, overrides: list[str], deep_mlp: bool) -> None:
         torch.save(weights, out / "weights.pt")
     torch.save(dict(model.named_buffers()), out / f"buffers_{env.rank}.pt")
     del weights
-    keep_freed_host_memory(sharded=is_sharded(cfg, env))  # as train.py does
+    set_host_allocator(sharded=is_sharded(cfg, env))  # as train.py does
     peaks.end()  # the weights gathered for the test
     optimizer = build_optimizer(model, cfg.train, 0.01)
     for _ in range(2):

@@ -281,16 +281,46 @@ def ratio_line(results: dict) -> str:
     )
 
 
+MEMORY_WORKLOAD = [
+    "data.image_size=32",
+    "data.train_size=128",
+    "data.val_size=16",
+    "train.num_workers=0",
+    "train.optimizer=adamw",
+    "train.batch_size=8",
+    "train.epochs=1",
+]
+MEMORY_LAYOUTS = [(1, "ddp"), (2, "ddp"), (2, "fsdp"), (4, "ddp"), (4, "fsdp")]
+
+
 def compare_memory(project: Path, work: Path) -> None:
-    print("\n== peak memory per rank, 2 processes, MLP with 29M parameters (hidden_dim=4096)")
-    big = ["model.hidden_dim=4096", "data.train_size=2048", "train.batch_size=32", "train.epochs=1"]
-    for strategy in ("ddp", "fsdp"):
-        out = work / strategy
-        run(generated_command(2, out, [*WORKLOAD, *big, f"train.strategy={strategy}"]), project)
-        memory = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])["memory"]
-        peaks = [row["rss_peak_mib"] for row in memory]
-        now = [row["rss_mib"] for row in memory]
-        print(f"{strategy:>5}: peak RSS {peaks} MiB, RSS after the epoch {now} MiB")
+    """Peak RSS per rank in each phase (benchmarks/memory_phases.py), DDP vs FSDP."""
+    print(
+        "\n== peak RSS per rank, MiB: a 101M-parameter MLP of 24 blocks, AdamW (rank 0 / the largest of the "
+        "others); the runtime (torch, the process group) is about 680 of each"
+    )
+    print("| strategy | processes | setup | training steps | save | weights + optimizer held | save time |")
+    print("|---|---|---|---|---|---|---|")
+    script = str(Path(__file__).with_name("memory_phases.py"))
+    for nproc, strategy in MEMORY_LAYOUTS:
+        out = work / f"memory-{strategy}-{nproc}"
+        args = [*MEMORY_WORKLOAD, f"train.strategy={strategy}", f"output_dir={out}"]
+        run([*launcher(nproc), script, str(out / "phases.json"), *args], project)
+        rows = [json.loads((out / f"phases.json.{rank}").read_text()) for rank in range(nproc)]
+
+        def cell(key: str, rows=rows) -> str:
+            others = f" / {max(row[key] for row in rows[1:]):,.0f}" if len(rows) > 1 else ""
+            return f"{rows[0][key]:,.0f}{others}"
+
+        held = rows[0]["params_mib"] + rows[0]["optimizer_mib"]
+        save = f"{rows[0]['save_s']:.2f} s"
+        if "async_blocked_s" in rows[0]:
+            blocked, done = max(r["async_blocked_s"] for r in rows), max(r["async_done_s"] for r in rows)
+            save += f" (async: {blocked:.2f} s blocked, written after {done:.2f} s)"
+        print(
+            f"| {strategy} | {nproc} | {cell('setup_peak_mib')} | {cell('step_peak_mib')} | "
+            f"{cell('save_peak_mib')} | {held:,.0f} | {save} |"
+        )
 
 
 SWITCHES = {
@@ -315,7 +345,7 @@ def main() -> None:
     parser.add_argument(
         "--repeats", type=int, default=8, help="pairs of runs per row (a multiple of 4 balances cores and start order)"
     )
-    parser.add_argument("--cases", nargs="+", choices=list(CASES), default=list(CASES))
+    parser.add_argument("--cases", nargs="*", choices=list(CASES), default=list(CASES), help="none: memory only")
     parser.add_argument("--switches", action="store_true", help="also time each speed switch")
     args = parser.parse_args()
     print(

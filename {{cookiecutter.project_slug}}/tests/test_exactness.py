@@ -18,7 +18,8 @@ def final_state(output_dir):
 
 
 @pytest.mark.parametrize(
-    "nproc, batch_size, accum, strategy", [(2, 8, 1, "ddp"), (1, 8, 2, "ddp"), (2, 4, 2, "ddp"), (2, 8, 1, "fsdp")]
+    "nproc, batch_size, accum, strategy",
+    [(2, 8, 1, "ddp"), (1, 8, 2, "ddp"), (2, 4, 2, "ddp"), (2, 8, 1, "fsdp"), (4, 2, 2, "fsdp")],
 )
 def test_world_size_and_accumulation_do_not_change_training(tmp_path, nproc, batch_size, accum, strategy):
     """N processes x batch B x accumulation K trains like 1 process with batch N*B*K,

@@ -612,9 +612,10 @@ def all_finite(checkpoint: dict) -> bool:
     return all(torch.isfinite(value).all() for value in checkpoint["model"].values() if value.is_floating_point())
 
 
-@pytest.mark.parametrize("nproc", [None, 2])
-def test_a_diverging_run_stops_every_rank_and_keeps_its_last_good_checkpoint(tmp_path, nproc):
-    result = run_script("train.py", [*DIVERGING, f"output_dir={tmp_path}"], nproc=nproc, check=False)
+@pytest.mark.parametrize("nproc, strategy", [(None, "ddp"), (2, "ddp"), (2, "fsdp")])
+def test_a_diverging_run_stops_every_rank_and_keeps_its_last_good_checkpoint(tmp_path, nproc, strategy):
+    args = [*DIVERGING, f"train.strategy={strategy}", f"output_dir={tmp_path}"]
+    result = run_script("train.py", args, nproc=nproc, check=False)
     line = one_error_line(result)
     good = last(tmp_path)
     assert line.startswith("error: training diverged: non-finite gradients at step "), line
@@ -622,7 +623,8 @@ def test_a_diverging_run_stops_every_rank_and_keeps_its_last_good_checkpoint(tmp
     assert good["step"] < bad_step <= good["step"] + 2 * 4  # caught at the next check (log or save)
     assert f"last.pt (step {good['step']}), kept" in line and "train.lr (this run: 300)" in line
     assert all_finite(good) and good["step"] > 0
-    assert [path.name for path in step_checkpoints(tmp_path / "checkpoints")] == [f"step-{good['step']:08d}.pt"]
+    suffix = "dcp" if strategy == "fsdp" else "pt"  # FSDP saves sharded folders
+    assert [path.name for path in step_checkpoints(tmp_path / "checkpoints")] == [f"step-{good['step']:08d}.{suffix}"]
     assert not (tmp_path / "checkpoints" / "best.pt").exists()  # no epoch finished
 
 

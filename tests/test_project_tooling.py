@@ -69,6 +69,19 @@ def test_ci_workflow_is_valid_yaml_with_install_lint_and_test_steps(tmp_path):
     assert ci_step(project, "Test")["run"].strip() == "pytest -n 2"
 
 
+# The first major of each action that runs on Node 24 (GitHub removes its Node 20 runtime
+# in 2026): checkout v5, setup-python v6, per their release notes.
+NODE_24_MAJORS = {"actions/checkout": 5, "actions/setup-python": 6}
+
+
+def test_ci_actions_run_on_node_24(tmp_path):
+    steps = ci_workflow(bake(tmp_path))["jobs"]["test"]["steps"]
+    actions = [step["uses"].split("@") for step in steps if "uses" in step]
+    assert {name for name, _ in actions} == set(NODE_24_MAJORS)  # a new action: look up its Node 24 major
+    for name, version in actions:
+        assert int(version.removeprefix("v")) >= NODE_24_MAJORS[name], f"{name}@{version} runs on Node 20"
+
+
 def test_project_installs_with_the_standard_command(tmp_path):
     project = bake(tmp_path)
     # The CI's install step without downloads: dependencies are already here.

@@ -16,6 +16,7 @@ PROJECT_MODULES = {
     "data",
     "engine",
     "evaluate",
+    "export",
     "model",
     "train",
     "tests",

@@ -31,6 +31,7 @@ from engine.distributed import (
     stop_all_if_any_fails,
 )
 from engine.divergence import NonFiniteGuard
+from engine.early_stopping import EarlyStopping
 from engine.gpu_processes import report_gpu_processes
 from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
 from engine.logs import QuietLog, RunLog, log, report_errors
@@ -90,7 +91,7 @@ def main(argv=None) -> None:
         freeze_setup_objects()  # no full garbage collection pauses inside the steps
         set_host_allocator(sharded=is_sharded(cfg, env))  # what each step frees: kept, or given back (FSDP)
         try:
-            while state.epoch < cfg.train.epochs:
+            while state.epoch < cfg.train.epochs and not state.early_stopping.stopped:
                 if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
                     seed_everything(derive_seed(cfg.seed, env.rank, state.epoch))
                 rng_restored = False
@@ -105,6 +106,9 @@ def main(argv=None) -> None:
                         f"{time.monotonic() - started:.1f} s, run the same command to continue"
                     )
                     break
+            if state.early_stopping.stopped:  # also when a resumed run had already stopped
+                best = checkpointer.directory / "best.pt"
+                run_log.log(state.early_stopping.summary(state.epoch - 1, state.best_metric_value, str(best)))
         finally:
             run_log.close()  # what is still buffered reaches the disk, also on failure
         barrier(device)  # leave together: tearing down a group with peers mid-call can abort
@@ -134,7 +138,10 @@ def load_train_objs(cfg, env, device, checkpointer: Checkpointer):
     scheduler = build_scheduler(optimizer, cfg.train, steps)
     scaler = build_grad_scaler(cfg.train.precision, device)
     guard = NonFiniteGuard(cfg.train, checkpointer.last_good, lr, device)
-    state = TrainState(model, train_model, optimizer, scheduler, scaler, guard, device, cfg.train.accum_steps, steps)
+    early_stopping = EarlyStopping.from_config(cfg)  # off unless train.early_stopping_patience
+    state = TrainState(
+        model, train_model, optimizer, scheduler, scaler, guard, device, cfg.train.accum_steps, steps, early_stopping
+    )
     return train_loader, val_loader, state
 
 
@@ -220,6 +227,7 @@ def end_epoch(state: TrainState, val_loader, cfg, stop: StopRequest, checkpointe
         return False
     memory = report_memory(state.device, f"epoch {state.epoch}", train_state_mib(state.model, state.optimizer))
     row = {"epoch": state.epoch, "step": state.step, **train_metrics, **val_metrics}
+    state.early_stopping.update(val_metrics)  # before the save, which keeps its count
     state.finish_epoch()
     checkpointer.save(state, val_metrics)  # best.pt by checkpoint.best_metric
     # outside_train_s: the time this takes (evaluation, memory report, checkpoint).

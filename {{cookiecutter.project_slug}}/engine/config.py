@@ -55,6 +55,8 @@ class TrainConfig:
     log_every_steps: int = 10
     tensorboard: bool = True  # curves in output_dir/tensorboard (rank 0; needs the tensorboard package)
     stop_at_step: int = 0  # stop with a checkpoint at this optimizer step; 0 = run all epochs
+    early_stopping_patience: int = 0  # end after this many epochs without checkpoint.best_metric improving; 0 = off
+    early_stopping_min_delta: float = 0.0  # early stopping: an improvement this small or smaller does not count
     deterministic: bool = False  # torch.use_deterministic_algorithms
 
     def __post_init__(self):
@@ -70,6 +72,8 @@ class TrainConfig:
             "max_bad_steps",
             "stop_at_step",
             "num_workers",
+            "early_stopping_patience",
+            "early_stopping_min_delta",
         )
         for key in zero_ok:
             check_positive(f"train.{key}", getattr(self, key), allow_zero=True)

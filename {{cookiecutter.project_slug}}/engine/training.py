@@ -8,7 +8,7 @@ import math
 import re
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -24,6 +24,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from engine.config import TrainConfig
 from engine.distributed import all_reduce_sum
 from engine.divergence import NonFiniteGuard
+from engine.early_stopping import EarlyStopping
 from engine.errors import TaskError, UsageError
 from engine.optim import autocast
 
@@ -44,6 +45,7 @@ class TrainState:
     device: torch.device  # where the model lives (not saved)
     accum_steps: int = 1  # micro-batches per optimizer step (from the config: not saved)
     steps_per_epoch: int = 1  # optimizer steps per epoch (from the data: not saved)
+    early_stopping: EarlyStopping = field(default_factory=EarlyStopping.off)  # its count is saved
     epoch: int = 0  # epoch in progress
     batches_done: int = 0  # micro-batches of `epoch` already trained
     step: int = 0  # optimizer steps taken in the whole run
@@ -68,6 +70,7 @@ class TrainState:
             "step": self.step,
             "best_metric_value": self.best_metric_value,
             "skipped_steps": self.guard.skipped_steps,
+            "early_stopping": self.early_stopping.state_dict(),
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -82,6 +85,8 @@ class TrainState:
         self.step = state["step"]
         self.best_metric_value = state.get("best_metric_value")  # absent in older checkpoints
         self.guard.skipped_steps = state.get("skipped_steps", 0)
+        if "early_stopping" in state:  # absent in older checkpoints
+            self.early_stopping.load_state_dict(state["early_stopping"])
 
     def start_micro_batch(self) -> None:
         self.batches_done += 1

@@ -19,7 +19,8 @@ keep_last, taking the disk space its hard link takes today).
 
 Atomic: a file is written to a '.*.tmp' file and renamed; a folder is written to a
 '.step-N.dcp.tmp' folder by every rank and renamed by rank 0 only after every rank's
-shards, the metadata and run_state.pt are on disk. Names starting with '.' are never
+shards, the metadata and run_state.pt are on disk. A folder is never replaced: a step
+saved again gets the next free name, step-N.1.dcp. Names starting with '.' are never
 taken for checkpoints, and the next save removes them.
 
 A checkpoint holds plain data only (tensors, numbers, strings, lists, dicts), so it loads
@@ -54,7 +55,8 @@ from engine.sharded import (
     sharded_state_dict,
 )
 
-STEP_FILE = re.compile(r"^step-(\d+)\.(pt|dcp)$")
+# step-00001234.pt, step-00001234.dcp, and a folder saved again at its step, step-00001234.1.dcp
+STEP_FILE = re.compile(r"^step-(\d+)(?:\.(\d+))?\.(pt|dcp)$")
 RUN_STATE = "run_state.pt"  # in a sharded checkpoint: all but the model and optimizer
 LINKS = ("last.pt", "best.pt")
 PREFIXES = ("module.", "_orig_mod.")  # added by DDP and torch.compile wrappers
@@ -149,7 +151,12 @@ def step_checkpoints(directory: Path) -> list[Path]:
     if not directory.is_dir():
         return []
     found = [p for p in directory.iterdir() if STEP_FILE.match(p.name)]
-    return sorted(found, key=lambda p: int(STEP_FILE.match(p.name).group(1)))
+    return sorted(found, key=step_and_revision)
+
+
+def step_and_revision(path: Path) -> tuple[int, int]:
+    step, revision, _ = STEP_FILE.match(path.name).groups()
+    return int(step), int(revision or 0)
 
 
 def prune(directory: Path, keep_last: int) -> None:
@@ -162,23 +169,33 @@ def prune(directory: Path, keep_last: int) -> None:
 
 
 def remove(path: Path) -> None:
+    """Delete a checkpoint file or folder. A folder first loses its checkpoint name, so a
+    deletion cut short leaves a '.*.tmp' folder, never a torn checkpoint."""
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
+        doomed = path if path.name.endswith(".tmp") else path.with_name(f".{path.name}.del.tmp")
+        if doomed != path:
+            os.replace(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
     else:
         path.unlink(missing_ok=True)
 
 
+def unused_folder_name(directory: Path, step: int) -> Path:
+    """step-N.dcp, or step-N.1.dcp, step-N.2.dcp... when the step was saved before (e.g. at
+    an epoch's end after a step checkpoint): a published folder is never replaced, so
+    last.pt and best.pt never point at a folder being rewritten."""
+    final, revision = directory / f"step-{step:08d}.dcp", 0
+    while os.path.lexists(final):
+        revision += 1
+        final = directory / f"step-{step:08d}.{revision}.dcp"
+    return final
+
+
 def commit_folder(tmp: Path, final: Path) -> None:
-    """Rename a completely written checkpoint folder into place. A folder saved again at
-    the same step is moved aside first (a folder cannot replace a full one in one rename)."""
+    """Rename a completely written checkpoint folder to its unused final name."""
     fsync_dir(tmp)
-    old = final.with_name(f".{final.name}.old.tmp")
-    if final.is_dir():
-        remove(old)
-        os.replace(final, old)
-    os.replace(tmp, final)
+    os.rename(tmp, final)
     fsync_dir(final.parent)
-    remove(old)
 
 
 def publish_link(folder: Path, target: Path) -> None:
@@ -315,8 +332,8 @@ class Checkpointer:
         run = {"config": dataclasses.asdict(self.cfg), "world_size": self.env.world_size, "rng": rng_states}
         keep_last = self.cfg.checkpoint.keep_last
         try:
-            if self.cfg.train.strategy == "fsdp":
-                self.save_sharded(state, {**state.run_state_dict(), **run}, is_best)
+            if self.cfg.train.strategy == "fsdp":  # folders on any number of processes: one kind per run
+                self.save_folder(state, {**state.run_state_dict(), **run}, is_best)
                 return
             payload = {**state.state_dict(), **run}
             with stop_all_if_any_fails(self.device):
@@ -328,10 +345,10 @@ class Checkpointer:
                 "(earlier checkpoints are intact)"
             ) from None
 
-    def save_sharded(self, state, run_state: dict, is_best: bool) -> None:
+    def save_folder(self, state, run_state: dict, is_best: bool) -> None:
         """Every rank writes its shards into a temporary folder; rank 0 adds run_state.pt
         and renames the folder into place only when all of it is on disk."""
-        final = self.directory / f"step-{state.step:08d}.dcp"
+        final = self.directory / f"step-{state.step:08d}.dcp"  # its name in messages
         tmp = self.directory / f".{final.name}.tmp"
         with stop_all_if_any_fails(self.device):
             if is_main():
@@ -341,13 +358,14 @@ class Checkpointer:
             save_sharded(sharded_state_dict(state.model, state.optimizer), tmp, final)  # raises on every rank alike
             with stop_all_if_any_fails(self.device):
                 if is_main():
-                    self.finish_sharded(tmp, final, run_state, is_best)
+                    self.finish_folder(tmp, state.step, run_state, is_best)
         except BaseException:
             if is_main():
                 remove(tmp)  # every rank has stopped writing into it
             raise
 
-    def finish_sharded(self, tmp: Path, final: Path, run_state: dict, is_best: bool) -> None:
+    def finish_folder(self, tmp: Path, step: int, run_state: dict, is_best: bool) -> None:
+        final = unused_folder_name(self.directory, step)
         try:
             atomic_write(tmp, RUN_STATE, lambda f: torch.save(run_state, f))
             commit_folder(tmp, final)
@@ -403,7 +421,9 @@ class Checkpointer:
         if found is None:
             init_from = self.cfg.checkpoint.init_from
             if init_from:
-                load_weights(state.model, Path(init_from), load_checkpoint(init_from, tensors=False))
+                with stop_all_if_any_fails(self.device):  # unreadable on some node: every rank stops
+                    ckpt = load_checkpoint(init_from, tensors=False)
+                load_weights(state.model, Path(init_from), ckpt)
                 if is_main():
                     log(f"initialised model weights from {init_from} (fine-tuning)")
             return False
@@ -457,7 +477,7 @@ def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
         return path, load_checkpoint(path, tensors=False)
     directory = checkpoint_dir(cfg.output_dir)
     candidates = [directory / "last.pt", *reversed(step_checkpoints(directory))]
-    candidates = [path for path in candidates if path.exists()]
+    candidates = [path for path in candidates if os.path.lexists(path)]  # a broken link: said, not skipped
     for path in candidates:
         try:
             return path, load_checkpoint(path, tensors=False)

@@ -78,7 +78,7 @@ class MallInfo2(ctypes.Structure):
 def c_heap_mib() -> dict:
     """The C heap in MiB, from glibc's mallinfo2: what is handed out (`heap_used_mib`,
     tensor storage among it) and what is free but kept (`heap_kept_mib`, the cache
-    `keep_freed_host_memory` asks for). RSS is roughly both plus Python's own small
+    `set_host_allocator` asks for). RSS is roughly both plus Python's own small
     objects and the libraries; it cannot tell a cache from a leak, these can. Empty where
     there is no glibc 2.33."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":

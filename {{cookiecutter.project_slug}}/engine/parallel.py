@@ -93,7 +93,7 @@ def build_sharded(build: Callable[[], nn.Module], cfg: Config, env: DistEnv, dev
     the others on meta; all shard the structure on meta, allocate only their shards, and
     receive rank 0's values tensor by tensor. Every rank must call this."""
     with stop_all_if_any_fails(device):  # a build failing on some ranks only stops all
-        if env.rank == 0:
+        if is_main():
             model = build()
             full = model.state_dict()  # keeps the values alive while the module goes to meta
             buffers = dict(model.named_buffers())  # also those state_dict leaves out (non-persistent)

@@ -67,8 +67,9 @@ class MetadataUnpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in METADATA_GLOBALS:
             return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), TORCH_CONSTANTS):
-            return getattr(torch, name)  # dtypes such as torch.float32
+        constant = vars(torch).get(name) if module == "torch" else None  # no lazy import of torch's submodules
+        if isinstance(constant, TORCH_CONSTANTS):
+            return constant  # dtypes such as torch.float32
         raise RefusedGlobal(f"{module}.{name}")
 
 
@@ -86,7 +87,20 @@ def read_metadata(path: str | Path) -> Metadata:
         raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded: {one_line(error)}") from None
     if not isinstance(metadata, Metadata):
         raise CheckpointError(f"checkpoint {str(path)!r} is not DCP metadata")
+    check_storage(metadata, path)
     return metadata
+
+
+def check_storage(metadata: Metadata, path: Path) -> None:
+    """Every entry in a file of the folder itself, stored as written (no transforms such as
+    compression): a hostile metadata file could otherwise have a load read any file on
+    the machine, or inflate a small one."""
+    for info in (metadata.storage_data or {}).values():
+        name = getattr(info, "relative_path", "")
+        if not isinstance(name, str) or name != Path(name).name or name.startswith("."):
+            raise CheckpointError(f"checkpoint {str(path)!r} points outside its folder ({name!r}); refused")
+        if getattr(info, "transform_descriptors", None):
+            raise CheckpointError(f"checkpoint {str(path)!r} stores transformed data, which this project never writes")
 
 
 class SafeReader(FileSystemReader):

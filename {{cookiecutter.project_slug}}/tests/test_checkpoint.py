@@ -1,18 +1,23 @@
 import dataclasses
+import os
 import pickle
+import shutil
 
 import pytest
 import torch
 
 from conftest import FAST, read_metrics, reference_config, reference_task, run_script
 from engine.checkpoint import (
+    Checkpointer,
     CheckpointError,
     load_checkpoint,
     load_model_weights,
+    load_resume_checkpoint,
     save_checkpoint,
     step_checkpoints,
     strip_prefixes,
 )
+from engine.distributed import DistEnv
 from engine.divergence import NonFiniteGuard
 from engine.optim import build_grad_scaler, build_optimizer, build_scheduler
 from engine.seeding import capture_rng_state
@@ -143,6 +148,18 @@ def test_sharded_metadata_that_runs_code_is_refused(tmp_path):
     assert marker.exists()
 
 
+@pytest.mark.parametrize("relative_path", ["../../etc/passwd", "/dev/zero", ".hidden"])
+def test_sharded_metadata_pointing_outside_its_folder_is_refused(tmp_path, relative_path):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    _, folder = sharded_checkpoint(tmp_path)
+    metadata = FileSystemReader(folder).read_metadata()  # our own file: safe to unpickle
+    next(iter(metadata.storage_data.values())).relative_path = relative_path
+    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=r"points outside its folder .*; refused$"):
+        load_full(folder)
+
+
 ITEM_REFUSED = r"^checkpoint '.*' holds code or unreadable data in '{}'; refused \(io\.open\)$"
 
 
@@ -168,6 +185,36 @@ def test_model_weights_alone_never_read_the_optimizer_state(tmp_path):
     with pytest.raises(CheckpointError, match=ITEM_REFUSED.format(r"optimizer\.param_groups\.0\.lr")):
         load_sharded(fresh.model, folder, fresh.optimizer)
     assert not marker.exists()
+
+
+def test_a_folder_saved_again_at_its_step_never_replaces_the_published_one(tmp_path, capsys):
+    """An epoch's end often falls on a step checkpoint's step. The second folder gets the
+    next free name, so best.pt keeps the weights that were best; a last.pt whose folder is
+    gone is said and the next checkpoint taken, not silently skipped."""
+    state, _ = make_state()
+    cfg = reference_config(None, ["train.strategy=fsdp", "checkpoint.best_metric=val_loss", f"output_dir={tmp_path}"])
+    checkpointer, directory = Checkpointer(cfg, DistEnv(), torch.device("cpu")), tmp_path / "checkpoints"
+    state.step = 40
+    checkpointer.save(state, {"val_loss": 1.0})  # best
+    best_weights = {k: v.clone() for k, v in state.model.state_dict().items()}
+    torch.nn.init.zeros_(state.model.net[2].linear.weight)  # other weights, at the same step
+    state.epoch = 1
+    checkpointer.save(state, {"val_loss": 2.0})  # not best
+    assert [p.name for p in step_checkpoints(directory)] == ["step-00000040.dcp", "step-00000040.1.dcp"]
+    assert (
+        os.readlink(directory / "last.pt") == "step-00000040.1.dcp"
+        and load_checkpoint(directory / "last.pt")["epoch"] == 1
+    )
+    best = load_checkpoint(directory / "best.pt")
+    assert all(torch.equal(best["model"][k], v) for k, v in best_weights.items())
+
+    shutil.rmtree(directory / "step-00000040.1.dcp")  # e.g. moved away by hand
+    found, ckpt = load_resume_checkpoint(cfg)
+    assert found == directory / "step-00000040.dcp" and ckpt["epoch"] == 0
+    assert (
+        f"warning: checkpoint '{directory / 'last.pt'}' not found; trying an older checkpoint"
+        in capsys.readouterr().out
+    )
 
 
 def test_best_checkpoint_follows_best_metric_and_mode(tmp_path):

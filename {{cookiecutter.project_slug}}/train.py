@@ -47,6 +47,7 @@ from engine.optim import (
 )
 from engine.parallel import build_and_wrap, is_sharded, memory_format
 from engine.preemption import StopRequest
+from engine.profiling import profile_steps
 from engine.run_lock import RunLock
 from engine.seeding import capture_rng_state, derive_seed, restore_rng_state, seed_everything, set_determinism
 from engine.training import EpochStats, TrainState, forward_backward, optimizer_step
@@ -87,6 +88,7 @@ def main(argv=None) -> None:
         report_gpu_processes(device, "start")  # after the resume: what a load left on another rank's GPU shows
         # A hang fails the run after dist.step_timeout_minutes once the first step is done.
         shorten_timeout_after_first_step(state.optimizer, cfg.dist.step_timeout_minutes, [stop.group])
+        profile_steps(state.optimizer, cfg.train, env.rank, state.step, cfg.output_dir)  # if train.profile_steps
 
         freeze_setup_objects()  # no full garbage collection pauses inside the steps
         set_host_allocator(sharded=is_sharded(cfg, env))  # what each step frees: kept, or given back (FSDP)

@@ -57,10 +57,21 @@ class TrainConfig:
     stop_at_step: int = 0  # stop with a checkpoint at this optimizer step; 0 = run all epochs
     early_stopping_patience: int = 0  # end after this many epochs without checkpoint.best_metric improving; 0 = off
     early_stopping_min_delta: float = 0.0  # early stopping: an improvement this small or smaller does not count
+    profile_steps: int = 0  # record this many optimizer steps with torch.profiler into output_dir/profile; 0 = off
+    profile_start_step: int = 5  # the first step recorded (after the first steps' one-time work)
+    profile_all_ranks: bool = False  # profile every rank, not rank 0 only
     deterministic: bool = False  # torch.use_deterministic_algorithms
 
     def __post_init__(self):
-        for key in ("epochs", "batch_size", "accum_steps", "eval_batch_size", "log_every_steps", "reference_batch"):
+        for key in (
+            "epochs",
+            "batch_size",
+            "accum_steps",
+            "eval_batch_size",
+            "log_every_steps",
+            "reference_batch",
+            "profile_start_step",
+        ):
             check_positive(f"train.{key}", getattr(self, key))
         for key in ("lr", "step_every_epochs", "step_gamma"):
             check_positive(f"train.{key}", getattr(self, key))
@@ -74,6 +85,7 @@ class TrainConfig:
             "num_workers",
             "early_stopping_patience",
             "early_stopping_min_delta",
+            "profile_steps",
         )
         for key in zero_ok:
             check_positive(f"train.{key}", getattr(self, key), allow_zero=True)

@@ -223,13 +223,18 @@ def shorten_timeout_after_first_step(optimizer: torch.optim.Optimizer, minutes: 
     if get_world_size() == 1:
         return
 
-    def shorten(*_) -> None:
-        handle.remove()  # once
-        timeout = datetime.timedelta(minutes=minutes)
-        for group in (None, *(g for g in groups if g is not None)):
-            dist.set_timeout(timeout, group=group)
+    shortened = False
 
-    handle = optimizer.register_step_post_hook(shorten)
+    def shorten(*_) -> None:
+        # Once. Not removed from inside: the optimizer is iterating over its hooks.
+        nonlocal shortened
+        if not shortened:
+            timeout = datetime.timedelta(minutes=minutes)
+            for group in (None, *(g for g in groups if g is not None)):
+                dist.set_timeout(timeout, group=group)
+            shortened = True
+
+    optimizer.register_step_post_hook(shorten)
 
 
 def flight_recorder_file() -> Path | None:

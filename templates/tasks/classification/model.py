@@ -31,6 +31,7 @@ from data import count_classes
 from engine.config import check_positive
 from engine.errors import ConfigError
 from engine.metrics import Mean
+from engine.pretrained import load_pretrained
 
 
 @dataclass
@@ -38,13 +39,18 @@ class ModelConfig:
     name: str = "resnet18"  # resnet18 (BatchNorm) | mlp (small, fast on CPU)
     hidden_dim: int = 256  # mlp only
     dropout: float = 0.0  # mlp only
+    pretrained: str = ""  # resnet18 only: torchvision weights to start from, e.g. ResNet18_Weights.DEFAULT
 
-    may_change_on_resume: ClassVar[tuple[str, ...]] = ()  # every key here changes what the weights mean
+    may_change_on_resume: ClassVar[tuple[str, ...]] = ("pretrained",)  # the start only: a checkpoint has the weights
 
     def __post_init__(self):
         if self.name not in ("resnet18", "mlp"):
             raise ConfigError(f"unknown model.name {self.name!r}: choose resnet18 or mlp, or add yours in model.py")
         check_positive("model.hidden_dim", self.hidden_dim)
+        if self.pretrained and self.name != "resnet18":
+            raise ConfigError(
+                f"model.pretrained is for resnet18, not {self.name}; set model.name=resnet18 or leave it empty"
+            )
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
 
@@ -70,7 +76,10 @@ BLOCKS = (BasicBlock, MLPBlock)
 def build_model(cfg) -> nn.Module:
     num_classes = count_classes(cfg)
     if cfg.model.name == "resnet18":
-        return small_image_resnet18(num_classes)
+        model = small_image_resnet18(num_classes)
+        if cfg.model.pretrained:  # the small-image stem and a classifier for num_classes stay fresh
+            load_pretrained(model, cfg.model.pretrained)
+        return model
     in_features = 3 * cfg.data.image_size**2
     return MLP(in_features, cfg.model.hidden_dim, num_classes, cfg.model.dropout)
 

@@ -1,0 +1,62 @@
+"""Starting from published weights: torchvision's, by name (e.g. ResNet18_Weights.DEFAULT),
+read from torch's hub cache (TORCH_HOME/hub/checkpoints, by default ~/.cache/torch).
+
+The run never downloads them: every process of every node would fetch the same file at
+once, and cluster nodes often have no internet. Fetch them once where there is, with the
+command the error gives, and copy the cache folder to the nodes (or share TORCH_HOME).
+"""
+
+from pathlib import Path
+from urllib.parse import urlparse
+
+import torch
+import torch.nn as nn
+from torchvision.models import get_weight
+
+from engine.distributed import is_main
+from engine.errors import ConfigError, UsageError
+from engine.logs import log
+
+SHOWN = 6  # fresh tensors named in the line; the rest are counted
+
+
+def load_pretrained(model: nn.Module, name: str) -> None:
+    """Copy the weights called `name` into `model` wherever a tensor's name and shape
+    match; the others keep their fresh initialisation, and rank 0 says which in one line.
+    On the meta device (FSDP's ranks other than 0) nothing is read: rank 0's weights
+    reach those ranks at setup."""
+    if any(p.is_meta for p in model.parameters()):
+        return
+    published = cached_state_dict(name)
+    own = model.state_dict()
+    fits = {key: value for key, value in published.items() if key in own and value.shape == own[key].shape}
+    model.load_state_dict(fits, strict=False)
+    fresh = [key for key in own if key not in fits and not key.endswith("num_batches_tracked")]
+    if is_main():
+        named = ", ".join(fresh[:SHOWN]) + (f" and {len(fresh) - SHOWN} more" if len(fresh) > SHOWN else "")
+        log(
+            f"pretrained {name}: {len(fits)} of {len(own)} tensors loaded"
+            + (f"; initialised fresh (another shape, or not in the weights): {named}" if fresh else "")
+        )
+
+
+def cached_state_dict(name: str) -> dict:
+    try:
+        weights = get_weight(name)
+    except (ValueError, KeyError, AttributeError):
+        raise ConfigError(
+            f"model.pretrained: unknown weights {name!r}; name torchvision's, e.g. ResNet18_Weights.DEFAULT"
+        ) from None
+    path = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name
+    if not path.is_file():
+        fetch = f"python -c \"from torchvision.models import get_weight; get_weight('{name}').get_state_dict()\""
+        raise UsageError(
+            f"pretrained weights {name} are not in {path}; fetch them once where there is internet: {fetch}"
+        )
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001  torn download, or not a weights file
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(
+            f"pretrained weights {path} cannot be loaded ({reason}); delete the file and fetch it again"
+        ) from None

@@ -9,7 +9,9 @@ allowing DCP's own metadata classes only, and reads every non-tensor item with t
 weights-only unpickler before any planner sees it. Tensors DCP already reads weights-only.
 """
 
+import errno
 import io
+import os
 import pickle
 import re
 from pathlib import Path
@@ -155,7 +157,17 @@ def save_sharded(state_dict: dict, directory: Path, shown: Path) -> None:
         dcp.save(state_dict, storage_writer=FileSystemWriter(str(directory), sync_files=True))
     except CheckpointException as error:
         failure = first_failure(error)
+        if "unexpected pos" in str(failure) and disk_full(directory.parent):
+            failure = os.strerror(errno.ENOSPC)  # torch's writer saw a write cut short by the full disk
         raise CheckpointError(f"cannot write {str(shown)!r}: {failure}") from None
+
+
+def disk_full(directory: Path) -> bool:
+    try:
+        stats = os.statvfs(directory)
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize < 64 * 2**10
 
 
 def load_sharded(model: torch.nn.Module, directory: Path, optimizer: torch.optim.Optimizer | None = None) -> None:

@@ -426,8 +426,9 @@ def test_under_fsdp_no_rank_holds_a_full_copy_beyond_rank_0s_setup(tmp_path, npr
     shard_mib = full_mib / nproc
     for rank in held:
         assert rank["save_peak_mib"] < 0.25 * full_mib, rank  # every rank writes its own shards
-        # gradients and AdamW's two moments of its shard, activations, a gathered block
-        assert rank["step_peak_mib"] < 3 * shard_mib + 0.25 * full_mib, rank
+        # Gradients and AdamW's two moments of its shard, plus gathered blocks and activations:
+        # 73-98 MiB measured at 4 processes (a heap that keeps FSDP's blocks: 420-460).
+        assert rank["step_peak_mib"] < 3 * shard_mib + 0.5 * full_mib, rank
     for rank in held[1:]:
         assert rank["setup_peak_mib"] < shard_mib + 0.25 * full_mib, rank  # its shard, a tensor at a time
     assert full_mib < held[0]["setup_peak_mib"] < 1.2 * (full_mib + shard_mib), held[0]

@@ -92,7 +92,7 @@ def main(argv=None) -> None:
 
         freeze_setup_objects()  # no full garbage collection pauses inside the steps
         set_host_allocator(sharded=is_sharded(cfg, env))  # what each step frees: kept, or given back (FSDP)
-        try:
+        with run_log:  # closes the trackers' runs (as failed, on an error)
             while state.epoch < cfg.train.epochs and not state.early_stopping.stopped:
                 if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
                     seed_everything(derive_seed(cfg.seed, env.rank, state.epoch))
@@ -111,8 +111,6 @@ def main(argv=None) -> None:
             if state.early_stopping.stopped:  # also when a resumed run had already stopped
                 best = checkpointer.directory / "best.pt"
                 run_log.log(state.early_stopping.summary(state.epoch - 1, state.best_metric_value, str(best)))
-        finally:
-            run_log.close()  # what is still buffered reaches the disk, also on failure
         barrier(device)  # leave together: tearing down a group with peers mid-call can abort
     finally:
         gc.unfreeze()
@@ -160,8 +158,9 @@ def sanity_check(state: TrainState, val_loader, cfg, checkpointer: Checkpointer)
 
 
 def start_run_log(cfg, env, state: TrainState, train_loader, val_loader) -> RunLog | QuietLog:
-    """On rank 0: save the resolved config, say what runs, open the run's log; a QuietLog
-    elsewhere. An unwritable output_dir stops every rank here. Every rank must call this."""
+    """On rank 0: save the resolved config, say what runs, open the run's log and its
+    trackers; a QuietLog elsewhere. An unwritable output_dir or a tracker that cannot start
+    stops every rank here. Every rank must call this."""
     run_log = QuietLog()
     per_step = effective_batch(cfg.train, env.world_size)
     with stop_all_if_any_fails(state.device):
@@ -173,7 +172,8 @@ def start_run_log(cfg, env, state: TrainState, train_loader, val_loader) -> RunL
                 f"{per_step}; {state.steps_per_epoch} steps/epoch"
             )
             log(describe_lr(cfg.train, env.world_size, state.steps_per_epoch))
-            run_log = RunLog(cfg, per_step, start_step=state.step)
+            run_log = RunLog(cfg, per_step, state.step, state.tracker_runs)  # W&B, MLflow: go on in the same runs
+            state.tracker_runs = run_log.tracker_runs  # kept in the checkpoints
     return run_log
 
 

@@ -1,8 +1,8 @@
 """The run configuration: one typed schema, each default written once, beside its meaning.
 
 The schema is made of sections, each a dataclass. `data` (DataConfig in data.py) and
-`model` (ModelConfig in model.py) belong to the task; `train`, `checkpoint` and `dist`
-below belong to the machinery. config.yaml holds only what a project sets differently
+`model` (ModelConfig in model.py) belong to the task; `train`, `checkpoint`, `dist` and
+`tracking` below belong to the machinery. config.yaml holds only what a project sets differently
 from these defaults; `python train.py --print-config` shows every key with its value and
 meaning, and each run saves that in output_dir/config.yaml.
 
@@ -137,6 +137,18 @@ class DistConfig:
 
 
 @dataclass
+class TrackingConfig:
+    wandb: bool = False  # Weights & Biases run (rank 0; pip install -e ".[wandb]"; WANDB_MODE=offline: no network)
+    mlflow: bool = False  # MLflow run at MLFLOW_TRACKING_URI, else ./mlflow.db (pip install -e ".[mlflow]")
+    project: str = "{{ cookiecutter.project_slug }}"  # the W&B project and the MLflow experiment
+    run_name: str = ""  # the tracker run's name; "" = output_dir's folder name
+
+    def __post_init__(self):
+        if not self.project:
+            raise ConfigError("tracking.project must not be empty")
+
+
+@dataclass
 class Config:
     data: Any  # the task's DataConfig (data.py)
     model: Any  # the task's ModelConfig (model.py)
@@ -145,6 +157,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)  # TensorBoard: train.tensorboard
 
     def __post_init__(self):
         check_positive("seed", self.seed, allow_zero=True)

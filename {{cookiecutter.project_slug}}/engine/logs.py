@@ -1,4 +1,4 @@
-"""What the run tells people: console lines, progress, metrics.jsonl and TensorBoard.
+"""What the run tells people: console lines, progress, metrics.jsonl and the trackers.
 
 Rank 0 reports: it holds the RunLog, and every other rank a QuietLog with the same
 methods doing nothing, so the loop reads the same on every rank. One-off lines elsewhere
@@ -16,6 +16,7 @@ from tqdm import tqdm
 
 from engine.distributed import PeerFailed, flight_recorder_file, get_rank, is_main, lost_peer
 from engine.errors import UsageError
+from engine.trackers import open_trackers, tracker_runs
 
 
 def log(message: str) -> None:
@@ -63,17 +64,22 @@ class Progress:
 
 class RunLog:
     """Rank 0's record of the run: one JSON line per epoch in metrics.jsonl (a resumed run
-    appends), the same figures as TensorBoard curves in output_dir/tensorboard (when
-    train.tensorboard is on and the package is installed), and a console line.
+    appends), the same figures in every tracker that is on (engine/trackers.py:
+    TensorBoard, W&B, MLflow), and a console line. Use it as a context manager: leaving
+    it closes the trackers, marking their run failed if an error is on its way.
 
     `samples_per_step` is the effective batch (batch_size x processes x accum_steps).
     """
 
-    def __init__(self, cfg, samples_per_step: int, start_step: int):
+    def __init__(self, cfg, samples_per_step: int, start_step: int, previous_runs: dict):
         self.every, self.samples_per_step = cfg.train.log_every_steps, samples_per_step
         self.metrics_path = Path(cfg.output_dir) / "metrics.jsonl"
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
-        self.writer = tensorboard_writer(cfg, start_step) if cfg.train.tensorboard else None
+        self.trackers = open_trackers(cfg, start_step, previous_runs)
+        self.tracker_runs = tracker_runs(cfg, self.trackers)  # for the checkpoint
+        runs = [f"{name} run {run_id}" for name, run_id in self.tracker_runs.items() if name != "output_dir"]
+        if runs:
+            log(f"tracking: {', '.join(runs)}")
 
     def progress(self, epoch: int, total_steps: int, done_steps: int) -> Progress:
         return Progress(self, epoch, total_steps, done_steps)
@@ -82,21 +88,24 @@ class RunLog:
         log(message)
 
     def add_scalars(self, step: int, scalars: dict) -> None:
-        if self.writer is not None:
-            for tag, value in scalars.items():
-                self.writer.add_scalar(tag, value, global_step=step)
+        for tracker in self.trackers:
+            tracker.add_scalars(step, scalars)
 
     def write_epoch(self, metrics: dict) -> None:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(metrics) + "\n")
-        self.add_scalars(metrics["step"], epoch_scalars(metrics))
-        if self.writer is not None:
-            self.writer.flush()  # the epoch's curves show up now, not minutes later
+        for tracker in self.trackers:
+            tracker.add_scalars(metrics["step"], epoch_scalars(metrics))
+            tracker.add_table("memory", metrics["step"], metrics["memory"])
+            tracker.flush()
         log(format_epoch(metrics))
 
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()  # what is still buffered reaches the disk
+    def __enter__(self) -> "RunLog":
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
+        for tracker in self.trackers:  # what is still buffered reaches the disk or the server
+            tracker.close(failed=error_type is not None)
 
 
 class QuietLog:
@@ -114,7 +123,13 @@ class QuietLog:
     def write_epoch(self, metrics: dict) -> None:
         pass
 
-    def close(self) -> None:
+    def close(self) -> None:  # a progress bar's
+        pass
+
+    def __enter__(self) -> "QuietLog":
+        return self
+
+    def __exit__(self, error_type, error, traceback) -> None:
         pass
 
 
@@ -129,7 +144,7 @@ def format_epoch(metrics: dict) -> str:
 
 
 def epoch_scalars(metrics: dict) -> dict:
-    """TensorBoard tags for one epoch's metrics (as in metrics.jsonl): train_x as
+    """Tracker tags for one epoch's metrics (as in metrics.jsonl): train_x as
     train/epoch_x, val_x as val/x. Memory: rank 0's figure and the largest over the
     ranks (`..._max`)."""
     scalars = {"throughput/samples_per_s": metrics["samples_per_s"]}
@@ -144,21 +159,6 @@ def epoch_scalars(metrics: dict) -> dict:
             scalars[f"memory/{key}"] = per_rank[0][key]
             scalars[f"memory/{key}_max"] = max(row[key] for row in per_rank)
     return scalars
-
-
-def tensorboard_writer(cfg, start_step: int):
-    """A SummaryWriter, or None (with one warning) when the package is missing."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter  # here: optional, and slow to import
-    except ImportError as error:
-        log(
-            f"warning: train.tensorboard is on but tensorboard cannot be imported ({last_line(error)}); logging to "
-            'metrics.jsonl only. Install it with pip install -e ".[tensorboard]" or set train.tensorboard=false'
-        )
-        return None
-    # After a restart from an older checkpoint, TensorBoard hides the earlier run's points
-    # beyond `start_step`: they were trained again.
-    return SummaryWriter(str(Path(cfg.output_dir) / "tensorboard"), purge_step=start_step + 1)
 
 
 def report_errors(main):

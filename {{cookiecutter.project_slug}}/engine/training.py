@@ -50,6 +50,7 @@ class TrainState:
     batches_done: int = 0  # micro-batches of `epoch` already trained
     step: int = 0  # optimizer steps taken in the whole run
     best_metric_value: float | None = None  # of checkpoint.best_metric, over the epochs so far
+    tracker_runs: dict = field(default_factory=dict)  # rank 0's W&B/MLflow run ids: a resumed run goes on in them
 
     def state_dict(self) -> dict:
         """Plain full tensors on the CPU, the same for DDP and FSDP (so either resumes the
@@ -71,6 +72,7 @@ class TrainState:
             "best_metric_value": self.best_metric_value,
             "skipped_steps": self.guard.skipped_steps,
             "early_stopping": self.early_stopping.state_dict(),
+            "tracker_runs": self.tracker_runs,
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -87,6 +89,7 @@ class TrainState:
         self.guard.skipped_steps = state.get("skipped_steps", 0)
         if "early_stopping" in state:  # absent in older checkpoints
             self.early_stopping.load_state_dict(state["early_stopping"])
+        self.tracker_runs = state.get("tracker_runs", {})
 
     def start_micro_batch(self) -> None:
         self.batches_done += 1

@@ -1,0 +1,190 @@
+"""Where rank 0's RunLog sends the run's figures besides metrics.jsonl: TensorBoard
+(train.tensorboard), Weights & Biases (tracking.wandb) and MLflow (tracking.mlflow), in
+any combination. Each gets the same step and epoch curves under the same names; W&B and
+MLflow also get the resolved config as hyperparameters and each epoch's memory table.
+
+A tracker run's id is kept in the checkpoint (TrainState.tracker_runs), so a resumed or
+requeued run goes on in the same tracker run; a fresh output_dir starts a new one. The
+x-axis is the run's optimizer step: after a restart from an older checkpoint, the steps
+trained again are logged again.
+"""
+
+import dataclasses
+import importlib
+import time
+from pathlib import Path
+
+from engine.errors import UsageError
+
+
+def open_trackers(cfg, start_step: int, previous_runs: dict) -> list:
+    """The trackers the config turns on. `previous_runs`: the run ids a checkpoint kept
+    (TrainState.tracker_runs); used only if that checkpoint belongs to this output_dir."""
+    if previous_runs.get("output_dir") != this_output_dir(cfg):
+        previous_runs = {}
+    trackers = []
+    if cfg.train.tensorboard:
+        trackers += TensorBoardTracker.open(cfg, start_step)  # none, with a warning, without the package
+    if cfg.tracking.wandb:
+        trackers.append(WandbTracker(cfg, previous_runs.get("wandb")))
+    if cfg.tracking.mlflow:
+        trackers.append(MlflowTracker(cfg, previous_runs.get("mlflow")))
+    return trackers
+
+
+def tracker_runs(cfg, trackers: list) -> dict:
+    """What the checkpoint keeps: each tracker's run id, and whose output_dir they are."""
+    runs = {tracker.name: tracker.run_id for tracker in trackers if tracker.run_id}
+    return {"output_dir": this_output_dir(cfg), **runs} if runs else {}
+
+
+def this_output_dir(cfg) -> str:
+    return str(Path(cfg.output_dir).resolve())
+
+
+def hyperparameters(cfg) -> dict:
+    """The resolved config as flat `section.key: value` pairs."""
+    flat = {}
+
+    def walk(values: dict, prefix: str) -> None:
+        for key, value in values.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{key}.")
+            else:
+                flat[f"{prefix}{key}"] = value
+
+    walk(dataclasses.asdict(cfg), "")
+    return flat
+
+
+def import_optional(module: str, switch: str, extra: str):
+    try:
+        return importlib.import_module(module)
+    except ImportError as error:
+        raise UsageError(
+            f"{switch} is on but {module} cannot be imported ({error}); install it with "
+            f'pip install -e ".[{extra}]" or set {switch}=false'
+        ) from None
+
+
+class TensorBoardTracker:
+    """Curves in output_dir/tensorboard. TensorBoard has no tables: the memory table's
+    figures are curves (memory/...)."""
+
+    name, run_id = "tensorboard", None
+
+    def __init__(self, writer):
+        self.writer = writer
+
+    @classmethod
+    def open(cls, cfg, start_step: int) -> list:
+        try:
+            from torch.utils.tensorboard import SummaryWriter  # here: optional, and slow to import
+        except ImportError as error:
+            print(
+                f"warning: train.tensorboard is on but tensorboard cannot be imported ({error}); no TensorBoard "
+                'curves. Install it with pip install -e ".[tensorboard]" or set train.tensorboard=false',
+                flush=True,
+            )
+            return []
+        # After a restart from an older checkpoint, TensorBoard hides the earlier run's
+        # points beyond `start_step`: they were trained again.
+        return [cls(SummaryWriter(str(Path(cfg.output_dir) / "tensorboard"), purge_step=start_step + 1))]
+
+    def add_scalars(self, step: int, scalars: dict) -> None:
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, global_step=step)
+
+    def add_table(self, name: str, step: int, rows: list[dict]) -> None:
+        pass
+
+    def flush(self) -> None:
+        self.writer.flush()  # the epoch's curves show up now, not minutes later
+
+    def close(self, failed: bool) -> None:
+        self.writer.close()
+
+
+class WandbTracker:
+    """A Weights & Biases run, files in output_dir/wandb. WANDB_MODE=offline records
+    without a network (`wandb sync` uploads later); WANDB_ENTITY, WANDB_API_KEY etc. as
+    wandb reads them."""
+
+    name = "wandb"
+
+    def __init__(self, cfg, run_id: str | None):
+        self.wandb = import_optional("wandb", "tracking.wandb", "wandb")
+        self.run = self.wandb.init(
+            project=cfg.tracking.project,
+            name=cfg.tracking.run_name or Path(cfg.output_dir).name,
+            id=run_id,
+            resume="allow" if run_id else None,
+            dir=cfg.output_dir,
+            config=hyperparameters(cfg),
+            settings=self.wandb.Settings(console="off"),  # leave sys.stdout alone: the run prints its own lines
+        )
+        self.run.define_metric("*", step_metric="step")  # the run's step, which may go back on a restart
+        self.run_id = self.run.id
+
+    def add_scalars(self, step: int, scalars: dict) -> None:
+        self.run.log({**scalars, "step": step})
+
+    def add_table(self, name: str, step: int, rows: list[dict]) -> None:
+        columns = list(rows[0])
+        table = self.wandb.Table(columns=columns, data=[[row.get(c) for c in columns] for row in rows])
+        self.run.log({name: table, "step": step})
+
+    def flush(self) -> None:
+        pass
+
+    def close(self, failed: bool) -> None:
+        self.run.finish(exit_code=1 if failed else 0)
+
+
+class MlflowTracker:
+    """An MLflow run in the experiment tracking.project, at MLFLOW_TRACKING_URI (else
+    MLflow's default, ./mlflow.db). Hyperparameters are logged when the run is created:
+    MLflow keeps a parameter's first value."""
+
+    name = "mlflow"
+
+    def __init__(self, cfg, run_id: str | None):
+        tracking = import_optional("mlflow.tracking", "tracking.mlflow", "mlflow")
+        self.entities = importlib.import_module("mlflow.entities")
+        self.client = tracking.MlflowClient()
+        if run_id is not None and self.reopen(run_id):
+            self.run_id = run_id
+            return
+        experiment = self.client.get_experiment_by_name(cfg.tracking.project)
+        experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(cfg.tracking.project)
+        run = self.client.create_run(experiment_id, run_name=cfg.tracking.run_name or Path(cfg.output_dir).name)
+        self.run_id = run.info.run_id
+        params = [self.entities.Param(key, str(value)) for key, value in hyperparameters(cfg).items()]
+        for start in range(0, len(params), 100):  # MLflow takes at most 100 per call
+            self.client.log_batch(self.run_id, params=params[start : start + 100])
+
+    def reopen(self, run_id: str) -> bool:
+        try:
+            self.client.update_run(run_id, status="RUNNING")
+            return True
+        except importlib.import_module("mlflow.exceptions").MlflowException:
+            print(
+                f"note: the checkpoint's MLflow run {run_id} is not at {self.client.tracking_uri}; "
+                "starting a new MLflow run",
+                flush=True,
+            )
+            return False
+
+    def add_scalars(self, step: int, scalars: dict) -> None:
+        now = int(time.time() * 1000)
+        metrics = [self.entities.Metric(key, float(value), now, step) for key, value in scalars.items()]
+        self.client.log_batch(self.run_id, metrics=metrics)
+
+    def add_table(self, name: str, step: int, rows: list[dict]) -> None:
+        self.client.log_dict(self.run_id, {"step": step, "rows": rows}, f"{name}/step_{step:08d}.json")
+
+    def flush(self) -> None:
+        pass
+
+    def close(self, failed: bool) -> None:
+        self.client.set_terminated(self.run_id, status="FAILED" if failed else "FINISHED")

@@ -2,6 +2,7 @@
 
   python evaluate.py --checkpoint runs/default/checkpoints/best.pt
   torchrun --nproc_per_node=4 evaluate.py --checkpoint PATH [--config FILE] [section.key=value ...]
+  python evaluate.py --checkpoint PATH --ema      the EMA of the weights (train.ema_decay)
 
 The model and data settings come from the checkpoint's own config unless --config is
 given; key=value overrides apply on top (e.g. train.num_workers=0).
@@ -36,6 +37,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="checkpoint: a .pt file, or a sharded checkpoint's folder")
     parser.add_argument("--config", default=None, help="YAML config (default: the checkpoint's)")
+    parser.add_argument("--ema", action="store_true", help="evaluate the EMA of the weights instead of the weights")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     return parser.parse_args(argv)
 
@@ -56,11 +58,12 @@ def main(argv=None) -> None:
         val_loader = build_val_loader(val_set, cfg, env, device, getattr(data, "collate_fn", None))
         # Under FSDP sharded as in training (no full copy on any device), else a replica.
         model = build_for_evaluation(lambda: build_model(cfg), cfg, env, device, BLOCKS)
-        load_weights(model, Path(args.checkpoint), ckpt)
+        load_weights(model, Path(args.checkpoint), ckpt, part="ema" if args.ema else "model")
         set_host_allocator(sharded=is_sharded(cfg, env))  # as train.py does
         metrics = evaluate(model, val_loader, validation_step, build_metrics(cfg), device, cfg.train.precision)
         if is_main():
-            print(json.dumps({"checkpoint": args.checkpoint, "step": ckpt.get("step"), **metrics}), flush=True)
+            shown = {"checkpoint": args.checkpoint, "step": ckpt.get("step"), "ema": args.ema}
+            print(json.dumps({**shown, **metrics}), flush=True)
     finally:
         cleanup_distributed()
 

@@ -32,6 +32,7 @@ from engine.distributed import (
 )
 from engine.divergence import NonFiniteGuard
 from engine.early_stopping import EarlyStopping
+from engine.ema import WeightEMA
 from engine.gpu_processes import report_gpu_processes
 from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
 from engine.logs import QuietLog, RunLog, log, report_errors
@@ -139,8 +140,19 @@ def load_train_objs(cfg, env, device, checkpointer: Checkpointer):
     scaler = build_grad_scaler(cfg.train.precision, device)
     guard = NonFiniteGuard(cfg.train, checkpointer.last_good, lr, device)
     early_stopping = EarlyStopping.from_config(cfg)  # off unless train.early_stopping_patience
+    ema = WeightEMA(model, cfg.train.ema_decay, cfg.train.ema_start_step) if cfg.train.ema_decay else None
     state = TrainState(
-        model, train_model, optimizer, scheduler, scaler, guard, device, cfg.train.accum_steps, steps, early_stopping
+        model,
+        train_model,
+        optimizer,
+        scheduler,
+        scaler,
+        guard,
+        device,
+        cfg.train.accum_steps,
+        steps,
+        early_stopping,
+        ema,
     )
     return train_loader, val_loader, state
 
@@ -151,8 +163,7 @@ def sanity_check(state: TrainState, val_loader, cfg, checkpointer: Checkpointer)
     run in seconds instead of after an epoch. It changes nothing: the model evaluates
     (no BatchNorm update), no optimizer steps, and every RNG is put back as it was."""
     rng = capture_rng_state()
-    metrics = build_metrics(cfg)
-    results = evaluate(state.model, val_loader, validation_step, metrics, state.device, cfg.train.precision, 2)
+    results = evaluate_weights(state, val_loader, cfg, max_batches=2)
     restore_rng_state(rng)
     checkpointer.check_best_metric(results)
 
@@ -175,6 +186,29 @@ def start_run_log(cfg, env, state: TrainState, train_loader, val_loader) -> RunL
             run_log = RunLog(cfg, per_step, state.step, state.tracker_runs)  # W&B, MLflow: go on in the same runs
             state.tracker_runs = run_log.tracker_runs  # kept in the checkpoints
     return run_log
+
+
+def evaluate_weights(state: TrainState, val_loader, cfg, max_batches=None, stop: StopRequest | None = None):
+    """The model's validation metrics and, with train.ema_decay, its EMA's beside them
+    (ema_val_*). None if a stop came during an evaluation. Every rank must call this."""
+    results = evaluate_model(state, val_loader, cfg, max_batches, stop)
+    if results is None or state.ema is None:
+        return results
+    with state.ema.swapped_into_model():  # the same model (sharded or not), holding the average
+        ema_results = evaluate_model(state, val_loader, cfg, max_batches, stop)
+    if ema_results is None:
+        return None
+    return results | {f"ema_{key}": value for key, value in ema_results.items() if key.startswith("val_")}
+
+
+def evaluate_model(state: TrainState, val_loader, cfg, max_batches, stop: StopRequest | None):
+    if cfg.train.strategy == "ddp":
+        broadcast_buffers(state.model)  # evaluate and save rank 0's BatchNorm statistics
+    metrics = build_metrics(cfg)
+    during = stop.during_evaluation() if stop is not None else None
+    return evaluate(
+        state.model, val_loader, validation_step, metrics, state.device, cfg.train.precision, max_batches, during
+    )
 
 
 def train_one_epoch(state: TrainState, loader, cfg, stop: StopRequest, checkpointer: Checkpointer, run_log):
@@ -210,19 +244,8 @@ def end_epoch(state: TrainState, val_loader, cfg, stop: StopRequest, checkpointe
     evaluation: then the state is as before it (RNG too), for a checkpoint from which the
     next run evaluates the epoch again."""
     start = time.perf_counter()
-    if cfg.train.strategy == "ddp":
-        broadcast_buffers(state.model)  # evaluate and save rank 0's BatchNorm statistics
     rng = capture_rng_state()
-    metrics = build_metrics(cfg)
-    val_metrics = evaluate(
-        state.model,
-        val_loader,
-        validation_step,
-        metrics,
-        state.device,
-        cfg.train.precision,
-        stop=stop.during_evaluation(),
-    )
+    val_metrics = evaluate_weights(state, val_loader, cfg, stop=stop)
     if val_metrics is None:
         restore_rng_state(rng)
         run_log.log(f"the evaluation of epoch {state.epoch} stopped; the next run evaluates it again")

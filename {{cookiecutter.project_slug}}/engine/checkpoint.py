@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_
 
 from engine.config import Config, effective_batch
 from engine.distributed import DistEnv, all_gather_objects, gather_objects_on_main, is_main, stop_all_if_any_fails
+from engine.ema import EMA_KEY, WeightEMA
 from engine.errors import CheckpointError, UsageError
 from engine.logs import log
 from engine.optim import scaled_lr
@@ -52,7 +53,6 @@ from engine.sharded import (
     model_shapes,
     read_metadata,
     save_sharded,
-    sharded_state_dict,
 )
 
 # step-00001234.pt, step-00001234.dcp, and a folder saved again at its step, step-00001234.1.dcp
@@ -276,17 +276,39 @@ def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) ->
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
 
 
-def load_weights(model: torch.nn.Module, path: Path, ckpt: dict, optimizer=None) -> None:
+def load_weights(model: torch.nn.Module, path: Path, ckpt: dict, optimizer=None, part: str = "model") -> None:
     """A checkpoint's model weights (and optimizer state, when `optimizer` is given) into a
-    plain, DDP or FSDP model. `ckpt` is what load_checkpoint(path, tensors=False) returned:
-    a file's whole contents, or a sharded folder's run state, whose model (and optimizer)
-    each rank then reads shard by shard, resharded to this run's processes. Every rank
-    must call this."""
-    if "model" in ckpt:
-        load_model_weights(model, ckpt["model"], str(path))
+    plain, DDP or FSDP model; part="ema": its average of the weights instead. `ckpt` is
+    what load_checkpoint(path, tensors=False) returned: a file's whole contents, or a
+    sharded folder's run state, whose tensors each rank then reads shard by shard,
+    resharded to this run's processes. Every rank must call this."""
+    if not has_part(path, ckpt, part):
+        raise CheckpointError(f"{path} has no {part!r} weights (train.ema_decay was off when it was saved)")
+    if part in ckpt:
+        load_model_weights(model, ckpt[part], str(path))
         return  # a file's optimizer state is loaded by TrainState.load_state_dict
-    check_shapes(model, model_shapes(read_metadata(path / METADATA_FILE)), str(path))
-    load_sharded(model, path, optimizer)
+    check_shapes(model, model_shapes(read_metadata(path / METADATA_FILE), part), str(path))
+    load_sharded(model, path, optimizer, part)
+
+
+def has_part(path: Path, ckpt: dict, part: str) -> bool:
+    """Whether a checkpoint file, or a sharded folder's metadata, holds `part`."""
+    if "model" in ckpt:
+        return part in ckpt
+    return any(key.startswith(f"{part}.") for key in read_metadata(path / METADATA_FILE).state_dict_metadata)
+
+
+def load_ema(ema: WeightEMA | None, path: Path, ckpt: dict) -> None:
+    """The checkpoint's EMA into `ema`, resharded like the model's weights; a checkpoint
+    saved without one (train.ema_decay just turned on) leaves it at the current weights."""
+    if ema is None:
+        return
+    if not has_part(path, ckpt, EMA_KEY):
+        if is_main():
+            log(f"note: {path} has no EMA of the weights; the EMA starts from the current weights")
+        return
+    with ema.swapped_into_model() as model:  # loaded as the model's own weights are
+        load_weights(model, path, ckpt, part=EMA_KEY)
 
 
 def check_shapes(model: torch.nn.Module, saved: dict[str, tuple], source: str) -> None:
@@ -355,7 +377,7 @@ class Checkpointer:
                 self.directory.mkdir(parents=True, exist_ok=True)
                 remove(tmp)  # left by a save killed midway
         try:
-            save_sharded(sharded_state_dict(state.model, state.optimizer), tmp, final)  # raises on every rank alike
+            save_sharded(state.sharded_state_dict(), tmp, final)  # raises on every rank alike
             with stop_all_if_any_fails(self.device):
                 if is_main():
                     self.finish_folder(tmp, state.step, run_state, is_best)
@@ -390,7 +412,7 @@ class Checkpointer:
         """checkpoint.best_metric must be one of the metrics validation reports."""
         name = self.cfg.checkpoint.best_metric
         if name not in val_metrics:
-            known = ", ".join(key for key in val_metrics if key.startswith("val_"))
+            known = ", ".join(key for key in val_metrics if key.startswith(("val_", "ema_val_")))
             raise CheckpointError(
                 f"checkpoint.best_metric is {name!r}, which this task does not report (it reports {known}); "
                 "set checkpoint.best_metric to one of them"
@@ -430,6 +452,7 @@ class Checkpointer:
         path, ckpt = found
         refuse_changed_settings(path, ckpt["config"], self.cfg)
         load_weights(state.model, path, ckpt, state.optimizer)
+        load_ema(state.ema, path, ckpt)
         state.load_state_dict(ckpt)
         if is_main():
             log(f"resumed from {path}: epoch {state.epoch}, step {state.step}")

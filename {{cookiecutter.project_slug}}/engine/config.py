@@ -57,6 +57,8 @@ class TrainConfig:
     stop_at_step: int = 0  # stop with a checkpoint at this optimizer step; 0 = run all epochs
     early_stopping_patience: int = 0  # end after this many epochs without checkpoint.best_metric improving; 0 = off
     early_stopping_min_delta: float = 0.0  # early stopping: an improvement this small or smaller does not count
+    ema_decay: float = 0.0  # an average of the weights, evaluated beside them (e.g. 0.999); 0 = off
+    ema_start_step: int = 0  # until this optimizer step the average just follows the weights
     profile_steps: int = 0  # record this many optimizer steps with torch.profiler into output_dir/profile; 0 = off
     profile_start_step: int = 5  # the first step recorded (after the first steps' one-time work)
     profile_all_ranks: bool = False  # profile every rank, not rank 0 only
@@ -86,6 +88,8 @@ class TrainConfig:
             "early_stopping_patience",
             "early_stopping_min_delta",
             "profile_steps",
+            "ema_decay",
+            "ema_start_step",
         )
         for key in zero_ok:
             check_positive(f"train.{key}", getattr(self, key), allow_zero=True)
@@ -93,6 +97,8 @@ class TrainConfig:
         check_choice("train.schedule", self.schedule, ("cosine", "step", "constant"))
         check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
         check_choice("train.strategy", self.strategy, ("ddp", "fsdp"))
+        if self.ema_decay >= 1:
+            raise ConfigError(f"train.ema_decay must be below 1 (e.g. 0.999), got {self.ema_decay}")
 
 
 def effective_batch(train: TrainConfig, world_size: int) -> int:

@@ -170,18 +170,21 @@ def disk_full(directory: Path) -> bool:
     return stats.f_bavail * stats.f_frsize < 64 * 2**10
 
 
-def load_sharded(model: torch.nn.Module, directory: Path, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Load a sharded checkpoint into the model, and the optimizer when given (without
-    one, the optimizer's shards are never read), each rank reading only what it holds.
-    Every rank must call this."""
+def load_sharded(
+    model: torch.nn.Module, directory: Path, optimizer: torch.optim.Optimizer | None = None, part: str = "model"
+) -> None:
+    """Load a sharded checkpoint's `part` ("model", or "ema": the average of the weights)
+    into the model, and the optimizer when given (without one, the optimizer's shards are
+    never read), each rank reading only what it holds. Every rank must call this."""
     read_metadata(directory / METADATA_FILE)  # DCP would take a refusal for a missing file and go on
-    # The optimizer's entry initialises its state, to be filled in place.
-    state_dict = {"model": get_model_state_dict(model)} if optimizer is None else sharded_state_dict(model, optimizer)
+    state_dict = {part: get_model_state_dict(model)}
+    if optimizer is not None:  # its entry initialises the optimizer's state, to be filled in place
+        state_dict["optimizer"] = get_optimizer_state_dict(model, optimizer)
     try:
         dcp.load(state_dict, storage_reader=SafeReader(str(directory)))
     except CheckpointException as error:
         raise load_error(directory, error) from None
-    set_model_state_dict(model, state_dict["model"])
+    set_model_state_dict(model, state_dict[part])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state_dict["optimizer"])
 
@@ -203,9 +206,9 @@ def load_full(directory: Path, keys: set[str] | None = None) -> dict:
     return state_dict
 
 
-def model_shapes(metadata: Metadata) -> dict[str, tuple]:
-    """The model weights' names and full shapes, from the metadata alone."""
-    prefix = "model."
+def model_shapes(metadata: Metadata, part: str = "model") -> dict[str, tuple]:
+    """The model weights' (or `part`'s) names and full shapes, from the metadata alone."""
+    prefix = f"{part}."
     return {
         key[len(prefix) :]: tuple(value.size)
         for key, value in metadata.state_dict_metadata.items()

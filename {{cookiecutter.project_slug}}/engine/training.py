@@ -25,8 +25,10 @@ from engine.config import TrainConfig
 from engine.distributed import all_reduce_sum
 from engine.divergence import NonFiniteGuard
 from engine.early_stopping import EarlyStopping
+from engine.ema import EMA_KEY, WeightEMA
 from engine.errors import TaskError, UsageError
 from engine.optim import autocast
+from engine.sharded import sharded_state_dict
 
 FULL = StateDictOptions(full_state_dict=True)
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -46,6 +48,7 @@ class TrainState:
     accum_steps: int = 1  # micro-batches per optimizer step (from the config: not saved)
     steps_per_epoch: int = 1  # optimizer steps per epoch (from the data: not saved)
     early_stopping: EarlyStopping = field(default_factory=EarlyStopping.off)  # its count is saved
+    ema: WeightEMA | None = None  # train.ema_decay: an average of the weights, saved beside them
     epoch: int = 0  # epoch in progress
     batches_done: int = 0  # micro-batches of `epoch` already trained
     step: int = 0  # optimizer steps taken in the whole run
@@ -58,8 +61,14 @@ class TrainState:
         return {
             "model": get_model_state_dict(self.model, options=FULL_ON_CPU),
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=FULL_ON_CPU),
+            **({EMA_KEY: self.ema.full_state_dict()} if self.ema is not None else {}),
             **self.run_state_dict(),
         }
+
+    def sharded_state_dict(self) -> dict:
+        """This rank's shards of the model, the optimizer and the EMA. Every rank must call this."""
+        shards = sharded_state_dict(self.model, self.optimizer)
+        return shards | ({EMA_KEY: self.ema.tensors} if self.ema is not None else {})
 
     def run_state_dict(self) -> dict:
         """All but the model and optimizer: small, the same on every rank."""
@@ -216,6 +225,8 @@ def optimizer_step(state: TrainState, train: TrainConfig) -> None:
     state.optimizer.zero_grad(set_to_none=True)
     state.scheduler.step()
     state.step_done()
+    if state.ema is not None:
+        state.ema.update(state.step)
 
 
 class EpochStats:

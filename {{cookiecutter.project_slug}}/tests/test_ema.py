@@ -1,0 +1,78 @@
+"""The EMA of the weights (train.ema_decay): its rule, a bitwise resume under DDP and FSDP,
+its metrics beside the model's, best.pt following them, and evaluate.py --ema."""
+
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import FAST, read_metrics, run_script, tensors
+from engine.checkpoint import load_checkpoint
+from engine.ema import WeightEMA
+
+STEPS_PER_EPOCH = 256 // (16 * 2)
+ARGS = [
+    *FAST,
+    "data.train_size=256",
+    "train.epochs=3",
+    "train.ema_decay=0.75",
+    "train.ema_start_step=3",
+    "checkpoint.best_metric=ema_val_loss",  # best.pt follows the EMA
+    "checkpoint.best_mode=min",
+]
+
+
+def test_the_average_follows_the_weights_until_the_start_step_then_decays():
+    model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
+    ema = WeightEMA(model, decay=0.75, start_step=2)
+    for step in range(1, 5):
+        before = {name: tensor.clone() for name, tensor in ema.tensors.items()}
+        with torch.no_grad():
+            for tensor in (*model.parameters(), model[1].running_mean):
+                tensor.add_(float(step))
+            model[1].num_batches_tracked += 1
+        ema.update(step)
+        for name, weight in model.state_dict().items():
+            if step <= 2 or not weight.is_floating_point():  # followed, or copied (the batch count)
+                expected = weight
+            else:
+                expected = 0.75 * before[name] + 0.25 * weight
+            assert torch.allclose(ema.tensors[name], expected), (step, name)
+    kept = {name: tensor.clone() for name, tensor in model.state_dict().items()}
+    average = {name: tensor.clone() for name, tensor in ema.tensors.items()}
+    with ema.swapped_into_model():
+        assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in average.items())
+        assert not torch.equal(model[0].weight, kept["0.weight"])
+    assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in kept.items())  # back, exactly
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_a_resumed_run_ends_with_the_same_average_and_reports_and_evaluates_it(tmp_path, strategy):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    args = [*ARGS, f"train.strategy={strategy}"]
+    run_script("train.py", [*args, f"output_dir={whole}"], nproc=2)
+    run_script("train.py", [*args, f"output_dir={split}", f"train.stop_at_step={STEPS_PER_EPOCH + 3}"], nproc=2)
+    assert "resumed from" in run_script("train.py", [*args, f"output_dir={split}"], nproc=2).stdout
+
+    a, b = (load_checkpoint(out / "checkpoints" / "last.pt") for out in (whole, split))
+    for part in ("model", "ema"):
+        assert tensors(a[part]).keys() == tensors(b[part]).keys()
+        for key, value in tensors(a[part]).items():
+            assert torch.equal(tensors(b[part])[key], value), f"{part}{key} differs after resume"
+    assert any(not torch.equal(a["ema"][key], a["model"][key]) for key in a["model"])  # it is an average
+
+    rows = read_metrics(whole)
+    ema_losses = [row["ema_val_loss"] for row in rows]
+    assert [row["ema_val_loss"] for row in read_metrics(split)] == ema_losses
+    assert ema_losses != [row["val_loss"] for row in rows]
+    best = load_checkpoint(whole / "checkpoints" / "best.pt", tensors=False)
+    assert best["step"] == rows[ema_losses.index(min(ema_losses))]["step"]  # best.pt by ema_val_loss
+
+    # evaluate.py on another number of processes gives the training run's figures exactly.
+    last = str(whole / "checkpoints" / "last.pt")
+    for flag, prefix, nproc in ((["--ema"], "ema_", 3), ([], "", None)):
+        printed = run_script("evaluate.py", ["--checkpoint", last, *flag], nproc=nproc).stdout.splitlines()[-1]
+        assert json.loads(printed) | {"val_loss": rows[-1][f"{prefix}val_loss"], "ema": bool(flag)} == json.loads(
+            printed
+        )

@@ -33,6 +33,7 @@ from engine.distributed import (
 from engine.divergence import NonFiniteGuard
 from engine.early_stopping import EarlyStopping
 from engine.ema import WeightEMA
+from engine.freezing import Freezing, freeze
 from engine.gpu_processes import report_gpu_processes
 from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
 from engine.logs import QuietLog, RunLog, log, report_errors
@@ -46,7 +47,7 @@ from engine.optim import (
     describe_lr,
     scaled_lr,
 )
-from engine.parallel import build_and_wrap, is_sharded, memory_format
+from engine.parallel import build_and_wrap, is_sharded, memory_format, wrap_again
 from engine.preemption import StopRequest
 from engine.profiling import profile_steps
 from engine.run_lock import RunLock
@@ -98,6 +99,9 @@ def main(argv=None) -> None:
                 if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
                     seed_everything(derive_seed(cfg.seed, env.rank, state.epoch))
                 rng_restored = False
+                if state.freezing.start_epoch(state.model, state.epoch):  # train.freeze_epochs are over
+                    state.train_model = wrap_again(state.model, cfg, env, device)
+                    run_log.log(f"epoch {state.epoch}: train.freeze's parameters are trained from here on")
                 train_metrics, finished = train_one_epoch(state, train_loader, cfg, stop, checkpointer, run_log)
                 if finished:  # and then evaluated and saved, unless a stop came during the evaluation
                     finished = end_epoch(state, val_loader, cfg, stop, checkpointer, run_log, train_metrics)
@@ -132,8 +136,8 @@ def load_train_objs(cfg, env, device, checkpointer: Checkpointer):
     steps = steps_per_epoch(train_loader, cfg)
 
     seed_everything(cfg.seed)  # the same initial weights on every rank
-    # SyncBatchNorm, device, DDP or FSDP (no full copy on any device).
-    model, train_model = build_and_wrap(lambda: build_model(cfg), cfg, env, device, BLOCKS)
+    # train.freeze's parameters frozen; SyncBatchNorm, device, DDP or FSDP (no full copy on any device).
+    model, train_model = build_and_wrap(lambda: freeze(build_model(cfg), cfg.train), cfg, env, device, BLOCKS)
     lr = scaled_lr(cfg.train, env.world_size)  # for the effective batch
     optimizer = build_optimizer(model, cfg.train, lr)
     scheduler = build_scheduler(optimizer, cfg.train, steps)
@@ -141,19 +145,8 @@ def load_train_objs(cfg, env, device, checkpointer: Checkpointer):
     guard = NonFiniteGuard(cfg.train, checkpointer.last_good, lr, device)
     early_stopping = EarlyStopping.from_config(cfg)  # off unless train.early_stopping_patience
     ema = WeightEMA(model, cfg.train.ema_decay, cfg.train.ema_start_step) if cfg.train.ema_decay else None
-    state = TrainState(
-        model,
-        train_model,
-        optimizer,
-        scheduler,
-        scaler,
-        guard,
-        device,
-        cfg.train.accum_steps,
-        steps,
-        early_stopping,
-        ema,
-    )
+    state = TrainState(model, train_model, optimizer, scheduler, scaler, guard, device, cfg.train.accum_steps, steps)
+    state.early_stopping, state.ema, state.freezing = early_stopping, ema, Freezing(cfg.train)
     return train_loader, val_loader, state
 
 

@@ -43,6 +43,7 @@ from engine.config import Config, effective_batch
 from engine.distributed import DistEnv, all_gather_objects, gather_objects_on_main, is_main, stop_all_if_any_fails
 from engine.ema import EMA_KEY, WeightEMA
 from engine.errors import CheckpointError, UsageError
+from engine.freezing import set_requires_grad
 from engine.logs import log
 from engine.optim import scaled_lr
 from engine.seeding import capture_rng_state, restore_rng_state
@@ -451,6 +452,7 @@ class Checkpointer:
             return False
         path, ckpt = found
         refuse_changed_settings(path, ckpt["config"], self.cfg)
+        set_requires_grad(state.model, self.cfg.train, ckpt["epoch"])  # train.freeze as when it was saved
         load_weights(state.model, path, ckpt, state.optimizer)
         load_ema(state.ema, path, ckpt)
         state.load_state_dict(ckpt)

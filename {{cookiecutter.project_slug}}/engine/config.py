@@ -57,6 +57,8 @@ class TrainConfig:
     stop_at_step: int = 0  # stop with a checkpoint at this optimizer step; 0 = run all epochs
     early_stopping_patience: int = 0  # end after this many epochs without checkpoint.best_metric improving; 0 = off
     early_stopping_min_delta: float = 0.0  # early stopping: an improvement this small or smaller does not count
+    freeze: str = ""  # comma-separated name prefixes of parameters that get no gradient (e.g. conv1,layer1)
+    freeze_epochs: int = 0  # train.freeze only for this many epochs (ddp); 0 = for the whole run
     ema_decay: float = 0.0  # an average of the weights, evaluated beside them (e.g. 0.999); 0 = off
     ema_start_step: int = 0  # until this optimizer step the average just follows the weights
     profile_steps: int = 0  # record this many optimizer steps with torch.profiler into output_dir/profile; 0 = off
@@ -90,6 +92,7 @@ class TrainConfig:
             "profile_steps",
             "ema_decay",
             "ema_start_step",
+            "freeze_epochs",
         )
         for key in zero_ok:
             check_positive(f"train.{key}", getattr(self, key), allow_zero=True)
@@ -97,6 +100,11 @@ class TrainConfig:
         check_choice("train.schedule", self.schedule, ("cosine", "step", "constant"))
         check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
         check_choice("train.strategy", self.strategy, ("ddp", "fsdp"))
+        if self.freeze_epochs and not self.freeze:
+            raise ConfigError("train.freeze_epochs is set but train.freeze names no parameters; set both or neither")
+        if self.freeze_epochs and self.strategy == "fsdp":
+            # FSDP fixes which parameters take gradients when it shards the model.
+            raise ConfigError("train.freeze_epochs needs train.strategy=ddp; under fsdp, freeze for the whole run")
         if self.ema_decay >= 1:
             raise ConfigError(f"train.ema_decay must be below 1 (e.g. 0.999), got {self.ema_decay}")
 

@@ -21,6 +21,7 @@ import torch.nn as nn
 
 from engine.config import Config, TrainConfig, effective_batch
 from engine.errors import ConfigError
+from engine.freezing import trains_later
 
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Below this many steps per epoch, the effective batch is a large share of the data: the
@@ -53,9 +54,11 @@ def describe_lr(cfg: TrainConfig, world_size: int, steps_per_epoch: int) -> str:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, lr: float) -> torch.optim.Optimizer:
+    # Frozen parameters are left out, unless train.freeze_epochs unfreezes them later.
+    trained = [p for name, p in model.named_parameters() if p.requires_grad or trains_later(name, cfg)]
     # No weight decay on biases and norm weights (1-D tensors): decaying them only hurts.
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim > 1]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim <= 1]
+    decay = [p for p in trained if p.ndim > 1]
+    no_decay = [p for p in trained if p.ndim <= 1]
     groups = [
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},

@@ -159,6 +159,13 @@ def maybe_compile(model: nn.Module, enabled: bool) -> nn.Module:
     return torch.compile(model) if enabled else model
 
 
+def wrap_again(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device) -> nn.Module:
+    """A new DDP wrapper (compiled, with train.compile) for a model whose trainable
+    parameters changed: DDP fixes at construction which ones it all-reduces. The old
+    wrapper, once dropped, takes its gradient hooks with it."""
+    return maybe_compile(wrap_ddp_or_fsdp(model, cfg, env, device, ()), cfg.train.compile)
+
+
 def wrap_ddp_or_fsdp(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device, blocks) -> nn.Module:
     """The module to train: DDP, FSDP (in place) or, for one process, the model itself."""
     if env.world_size == 1:

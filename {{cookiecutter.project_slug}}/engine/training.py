@@ -27,6 +27,7 @@ from engine.divergence import NonFiniteGuard
 from engine.early_stopping import EarlyStopping
 from engine.ema import EMA_KEY, WeightEMA
 from engine.errors import TaskError, UsageError
+from engine.freezing import Freezing
 from engine.optim import autocast
 from engine.sharded import sharded_state_dict
 
@@ -49,6 +50,7 @@ class TrainState:
     steps_per_epoch: int = 1  # optimizer steps per epoch (from the data: not saved)
     early_stopping: EarlyStopping = field(default_factory=EarlyStopping.off)  # its count is saved
     ema: WeightEMA | None = None  # train.ema_decay: an average of the weights, saved beside them
+    freezing: Freezing = field(default_factory=lambda: Freezing(TrainConfig()))  # train.freeze (not saved)
     epoch: int = 0  # epoch in progress
     batches_done: int = 0  # micro-batches of `epoch` already trained
     step: int = 0  # optimizer steps taken in the whole run

@@ -1,0 +1,65 @@
+"""train.freeze: frozen parameters stay as they are, train.freeze_epochs unfreezes them
+(DDP wrapped again), and a resume across the unfreeze is bitwise."""
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import FAST, run_script, tensors
+from engine.checkpoint import load_checkpoint
+from engine.config import TrainConfig
+from engine.errors import ConfigError
+from engine.freezing import freeze
+
+STEPS_PER_EPOCH = 256 // (16 * 2)
+# The reference mlp: net.2 and net.3 are its hidden layers, net.4 the classifier.
+ARGS = [*FAST, "data.train_size=256", "train.freeze=net.2,net.3", "checkpoint.every_steps=4", "checkpoint.keep_last=10"]
+
+
+def weights(output_dir, step: int, prefix: str) -> dict:
+    folder = output_dir / "checkpoints"
+    path = next(p for p in folder.iterdir() if p.name.startswith(f"step-{step:08d}"))
+    return {key: value for key, value in load_checkpoint(path)["model"].items() if key.startswith(prefix)}
+
+
+def same(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[key], b[key]) for key in a)
+
+
+def test_frozen_for_an_epoch_then_trained_and_a_resume_after_the_unfreeze_is_bitwise(tmp_path):
+    whole, split = tmp_path / "whole", tmp_path / "split"
+    args = [*ARGS, "train.epochs=3", "train.freeze_epochs=1"]
+    out = run_script("train.py", [*args, f"output_dir={whole}"], nproc=2).stdout
+    assert "epoch 1: train.freeze's parameters are trained from here on" in out
+    for prefix in ("net.2", "net.3"):  # frozen through epoch 0, trained after
+        assert same(weights(whole, 4, prefix), weights(whole, STEPS_PER_EPOCH, prefix))
+        assert not same(weights(whole, STEPS_PER_EPOCH, prefix), weights(whole, STEPS_PER_EPOCH + 4, prefix))
+    assert not same(weights(whole, 4, "net.4"), weights(whole, STEPS_PER_EPOCH, "net.4"))
+
+    # Stopped in epoch 1: the resumed run builds the model frozen and unfreezes it at once.
+    run_script("train.py", [*args, f"output_dir={split}", f"train.stop_at_step={STEPS_PER_EPOCH + 4}"], nproc=2)
+    run_script("train.py", [*args, f"output_dir={split}"], nproc=2)
+    a, b = (load_checkpoint(out / "checkpoints" / "last.pt") for out in (whole, split))
+    assert a["step"] == b["step"] == 3 * STEPS_PER_EPOCH
+    for part in ("model", "optimizer"):
+        for key, value in tensors(a[part]).items():
+            assert torch.equal(tensors(b[part])[key], value), f"{part}{key} differs after resume"
+
+
+def test_under_fsdp_frozen_parameters_stay_as_they_are_for_the_whole_run(tmp_path):
+    run_script("train.py", [*ARGS, "train.epochs=1", "train.strategy=fsdp", f"output_dir={tmp_path}"], nproc=2)
+    assert same(weights(tmp_path, 4, "net.2"), weights(tmp_path, STEPS_PER_EPOCH, "net.2"))
+    assert not same(weights(tmp_path, 4, "net.4"), weights(tmp_path, STEPS_PER_EPOCH, "net.4"))
+
+
+def test_a_prefix_that_names_no_parameter_is_a_config_error():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    with pytest.raises(ConfigError) as error:
+        freeze(model, TrainConfig(freeze="0,backbone"))
+    assert str(error.value) == (
+        "train.freeze: 'backbone' starts no parameter name of the model; its names start with 0, 1 "
+        "(see model.named_parameters())"
+    )
+    assert [p.requires_grad for p in freeze(model, TrainConfig(freeze="0")).parameters()] == [False, False, True, True]
+    with pytest.raises(ConfigError, match="train.freeze_epochs needs train.strategy=ddp"):
+        TrainConfig(freeze="0", freeze_epochs=1, strategy="fsdp")

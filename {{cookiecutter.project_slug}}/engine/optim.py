@@ -54,15 +54,16 @@ def describe_lr(cfg: TrainConfig, world_size: int, steps_per_epoch: int) -> str:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, lr: float) -> torch.optim.Optimizer:
+    """Two parameter groups (with and without weight decay); with train.freeze_epochs, two
+    more for the parameters trained from then on, which the schedule warms up again."""
     # Frozen parameters are left out, unless train.freeze_epochs unfreezes them later.
-    trained = [p for name, p in model.named_parameters() if p.requires_grad or trains_later(name, cfg)]
-    # No weight decay on biases and norm weights (1-D tensors): decaying them only hurts.
-    decay = [p for p in trained if p.ndim > 1]
-    no_decay = [p for p in trained if p.ndim <= 1]
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
+    now = [p for name, p in model.named_parameters() if p.requires_grad and not trains_later(name, cfg)]
+    later = [p for name, p in model.named_parameters() if trains_later(name, cfg)]
+    groups = []
+    for params in (now, later) if cfg.freeze_epochs else (now,):
+        # No weight decay on biases and norm weights (1-D tensors): decaying them only hurts.
+        groups.append({"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay})
+        groups.append({"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0})
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
     return torch.optim.AdamW(groups, lr=lr)
@@ -86,8 +87,26 @@ def lr_factor(step: int, cfg: TrainConfig, steps_per_epoch: int) -> float:
     return 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def unfrozen_lr_factor(step: int, cfg: TrainConfig, steps_per_epoch: int) -> float:
+    """For parameters frozen for train.freeze_epochs: the schedule, with a warmup over
+    train.warmup_epochs again from the unfreeze (a full lr at once can throw the model off)."""
+    since = step - cfg.freeze_epochs * steps_per_epoch
+    warmup = warmup_steps(cfg, steps_per_epoch)
+    ramp = 0.0 if since < 0 else min(1.0, (since + 1) / warmup) if warmup else 1.0
+    return ramp * lr_factor(step, cfg, steps_per_epoch)
+
+
 def build_scheduler(optimizer, cfg: TrainConfig, steps_per_epoch: int):
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, steps_per_epoch))
+    def factor(step: int) -> float:
+        return lr_factor(step, cfg, steps_per_epoch)
+
+    def unfrozen_factor(step: int) -> float:
+        return unfrozen_lr_factor(step, cfg, steps_per_epoch)
+
+    # build_optimizer's groups: from the third on, those of parameters frozen for a while.
+    groups = range(len(optimizer.param_groups))
+    factors = [unfrozen_factor if cfg.freeze_epochs and group >= 2 else factor for group in groups]
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
 
 
 def check_precision(cfg: Config, device: torch.device) -> None:

@@ -10,6 +10,7 @@ from engine.checkpoint import load_checkpoint
 from engine.config import TrainConfig
 from engine.errors import ConfigError
 from engine.freezing import freeze
+from engine.optim import build_optimizer, build_scheduler, lr_factor
 
 STEPS_PER_EPOCH = 256 // (16 * 2)
 # The reference mlp: net.2 and net.3 are its hidden layers, net.4 the classifier.
@@ -63,3 +64,20 @@ def test_a_prefix_that_names_no_parameter_is_a_config_error():
     assert [p.requires_grad for p in freeze(model, TrainConfig(freeze="0")).parameters()] == [False, False, True, True]
     with pytest.raises(ConfigError, match="train.freeze_epochs needs train.strategy=ddp"):
         TrainConfig(freeze="0", freeze_epochs=1, strategy="fsdp")
+
+
+def test_unfrozen_parameters_warm_up_again_from_the_unfreeze():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 1))
+    train = TrainConfig(freeze="0", freeze_epochs=2, warmup_epochs=1, epochs=4)
+    optimizer = build_optimizer(freeze(model, train), train, lr=1.0)
+    scheduler = build_scheduler(optimizer, train, steps_per_epoch=4)
+    rates = []
+    for _ in range(16):
+        rates.append([group["lr"] for group in optimizer.param_groups])
+        optimizer.step()
+        scheduler.step()
+    assert [len(group["params"]) for group in optimizer.param_groups] == [1, 1, 1, 1]  # 1's and 0's weight, bias
+    for step, (now, _, later, _) in enumerate(rates):
+        assert now == pytest.approx(lr_factor(step, train, 4))
+        ramp = 0 if step < 8 else min(1, (step - 7) / 4)  # from the unfreeze at step 8, over an epoch
+        assert later == pytest.approx(ramp * now)

@@ -147,7 +147,7 @@ def test_line_endings_and_executable_scripts(baked):
         if path.is_file() and "__pycache__" not in path.parts:
             assert b"\r\n" not in path.read_bytes(), path
     ignored = (baked / ".gitignore").read_text().split()
-    assert {"runs/", "*.pt", ".venv/", "__pycache__/", ".ruff_cache/"} <= set(ignored)
+    assert {"runs/", "*.pt", ".venv/", "__pycache__/", ".ruff_cache/", "mlflow.db", "mlruns/"} <= set(ignored)
 
 
 def test_template_repo_passes_its_own_lint():

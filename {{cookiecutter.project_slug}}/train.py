@@ -86,15 +86,15 @@ def main(argv=None) -> None:
         rng_restored = checkpointer.resume(state)
         if cfg.train.sanity_check:
             sanity_check(state, val_loader, cfg, checkpointer)
-        run_log = start_run_log(cfg, env, state, train_loader, val_loader)  # a QuietLog on ranks other than 0
-        report_gpu_processes(device, "start")  # after the resume: what a load left on another rank's GPU shows
-        # A hang fails the run after dist.step_timeout_minutes once the first step is done.
-        shorten_timeout_after_first_step(state.optimizer, cfg.dist.step_timeout_minutes, [stop.group])
-        profile_steps(state.optimizer, cfg.train, env.rank, state.step, cfg.output_dir)  # if train.profile_steps
+        # Rank 0's log and trackers (a QuietLog elsewhere), closed at the end: their runs as failed on an error.
+        with start_run_log(cfg, env, state, train_loader, val_loader) as run_log:
+            report_gpu_processes(device, "start")  # after the resume: what a load left on another rank's GPU shows
+            # A hang fails the run after dist.step_timeout_minutes once the first step is done.
+            shorten_timeout_after_first_step(state.optimizer, cfg.dist.step_timeout_minutes, [stop.group])
+            profile_steps(state.optimizer, cfg.train, env.rank, state.step, cfg.output_dir)  # if train.profile_steps
 
-        freeze_setup_objects()  # no full garbage collection pauses inside the steps
-        set_host_allocator(sharded=is_sharded(cfg, env))  # what each step frees: kept, or given back (FSDP)
-        with run_log:  # closes the trackers' runs (as failed, on an error)
+            freeze_setup_objects()  # no full garbage collection pauses inside the steps
+            set_host_allocator(sharded=is_sharded(cfg, env))  # what each step frees: kept, or given back (FSDP)
             while state.epoch < cfg.train.epochs and not state.early_stopping.stopped:
                 if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
                     seed_everything(derive_seed(cfg.seed, env.rank, state.epoch))

@@ -305,6 +305,7 @@ def load_ema(ema: WeightEMA | None, path: Path, ckpt: dict) -> None:
     if ema is None:
         return
     if not has_part(path, ckpt, EMA_KEY):
+        ema.reset()
         if is_main():
             log(f"note: {path} has no EMA of the weights; the EMA starts from the current weights")
         return
@@ -447,12 +448,17 @@ class Checkpointer:
                 with stop_all_if_any_fails(self.device):  # unreadable on some node: every rank stops
                     ckpt = load_checkpoint(init_from, tensors=False)
                 load_weights(state.model, Path(init_from), ckpt)
+                if state.ema is not None:
+                    state.ema.reset()  # an average of the weights fine-tuning starts from
                 if is_main():
                     log(f"initialised model weights from {init_from} (fine-tuning)")
             return False
         path, ckpt = found
         refuse_changed_settings(path, ckpt["config"], self.cfg)
-        set_requires_grad(state.model, self.cfg.train, ckpt["epoch"])  # train.freeze as when it was saved
+        # train.freeze as in the checkpoint's last step: the optimizer loads state for the
+        # parameters that needed gradients then (an epoch's end counts as that epoch).
+        trained_epoch = ckpt["epoch"] - 1 if ckpt["batches_done"] == 0 and ckpt["epoch"] > 0 else ckpt["epoch"]
+        set_requires_grad(state.model, self.cfg.train, trained_epoch)
         load_weights(state.model, path, ckpt, state.optimizer)
         load_ema(state.ema, path, ckpt)
         state.load_state_dict(ckpt)
@@ -519,9 +525,14 @@ def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
 def config_changes(saved: dict, cfg: Config) -> list[str]:
     """'section.key: old -> new' for each setting that changes what the weights mean: the
     seed and the task's data and model sections, but for the keys each section lists in
-    `may_change_on_resume` (e.g. where the files are, how they are augmented)."""
+    `may_change_on_resume` (e.g. where the files are, how they are augmented); and
+    train.freeze's settings, which shape the optimizer."""
     current = dataclasses.asdict(cfg)
     changes = [f"seed: {saved.get('seed')!r} -> {cfg.seed!r}"] if saved.get("seed") != cfg.seed else []
+    for key in ("freeze", "freeze_epochs"):  # the optimizer's parameter groups follow them
+        old, new = saved.get("train", {}).get(key, current["train"][key]), current["train"][key]
+        if old != new:
+            changes.append(f"train.{key}: {old!r} -> {new!r}")
     for key in ("data", "model"):
         old, new = saved.get(key) or {}, current[key]
         free = getattr(getattr(cfg, key), "may_change_on_resume", ())

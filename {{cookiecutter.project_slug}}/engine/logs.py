@@ -88,24 +88,37 @@ class RunLog:
         log(message)
 
     def add_scalars(self, step: int, scalars: dict) -> None:
-        for tracker in self.trackers:
-            tracker.add_scalars(step, scalars)
+        self.each_tracker(lambda tracker: tracker.add_scalars(step, scalars))
 
     def write_epoch(self, metrics: dict) -> None:
         with self.metrics_path.open("a") as f:
             f.write(json.dumps(metrics) + "\n")
-        for tracker in self.trackers:
+
+        def send(tracker) -> None:
             tracker.add_scalars(metrics["step"], epoch_scalars(metrics))
             tracker.add_table("memory", metrics["step"], metrics["memory"])
             tracker.flush()
+
+        self.each_tracker(send)
         log(format_epoch(metrics))
+
+    def each_tracker(self, call) -> None:
+        """`call(tracker)` for each tracker. One that fails (its server gone, its disk full)
+        is dropped with a warning: metrics.jsonl has everything, and an error on rank 0
+        alone would leave the other ranks waiting."""
+        for tracker in list(self.trackers):
+            try:
+                call(tracker)
+            except Exception as error:
+                self.trackers.remove(tracker)
+                log(f"warning: {tracker.name} failed ({last_line(error)}); the run goes on without it")
 
     def __enter__(self) -> "RunLog":
         return self
 
     def __exit__(self, error_type, error, traceback) -> None:
-        for tracker in self.trackers:  # what is still buffered reaches the disk or the server
-            tracker.close(failed=error_type is not None)
+        # What is still buffered reaches the disk or the server; an error marks the runs failed.
+        self.each_tracker(lambda tracker: tracker.close(failed=error_type is not None))
 
 
 class QuietLog:

@@ -54,16 +54,20 @@ def describe_lr(cfg: TrainConfig, world_size: int, steps_per_epoch: int) -> str:
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig, lr: float) -> torch.optim.Optimizer:
-    """Two parameter groups (with and without weight decay); with train.freeze_epochs, two
-    more for the parameters trained from then on, which the schedule warms up again."""
+    """Two parameter groups (with and without weight decay); with train.freeze_epochs,
+    up to two more (marked "unfrozen_later") for the parameters trained from then on,
+    which the schedule warms up again."""
     # Frozen parameters are left out, unless train.freeze_epochs unfreezes them later.
     now = [p for name, p in model.named_parameters() if p.requires_grad and not trains_later(name, cfg)]
     later = [p for name, p in model.named_parameters() if trains_later(name, cfg)]
     groups = []
-    for params in (now, later) if cfg.freeze_epochs else (now,):
+    for params, unfrozen_later in ((now, False), (later, True)):
         # No weight decay on biases and norm weights (1-D tensors): decaying them only hurts.
-        groups.append({"params": [p for p in params if p.ndim > 1], "weight_decay": cfg.weight_decay})
-        groups.append({"params": [p for p in params if p.ndim <= 1], "weight_decay": 0.0})
+        for decayed in (True, False):
+            chosen = [p for p in params if (p.ndim > 1) == decayed]
+            if chosen or not unfrozen_later:  # torch's loader takes at most one empty group
+                weight_decay = cfg.weight_decay if decayed else 0.0
+                groups.append({"params": chosen, "weight_decay": weight_decay, "unfrozen_later": unfrozen_later})
     if cfg.optimizer == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=cfg.momentum)
     return torch.optim.AdamW(groups, lr=lr)
@@ -103,9 +107,8 @@ def build_scheduler(optimizer, cfg: TrainConfig, steps_per_epoch: int):
     def unfrozen_factor(step: int) -> float:
         return unfrozen_lr_factor(step, cfg, steps_per_epoch)
 
-    # build_optimizer's groups: from the third on, those of parameters frozen for a while.
-    groups = range(len(optimizer.param_groups))
-    factors = [unfrozen_factor if cfg.freeze_epochs and group >= 2 else factor for group in groups]
+    groups = optimizer.param_groups  # build_optimizer's, which mark the parameters frozen for a while
+    factors = [unfrozen_factor if group.get("unfrozen_later") else factor for group in groups]
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
 
 

@@ -23,13 +23,31 @@ def open_trackers(cfg, start_step: int, previous_runs: dict) -> list:
     if previous_runs.get("output_dir") != this_output_dir(cfg):
         previous_runs = {}
     trackers = []
-    if cfg.train.tensorboard:
-        trackers += TensorBoardTracker.open(cfg, start_step)  # none, with a warning, without the package
-    if cfg.tracking.wandb:
-        trackers.append(WandbTracker(cfg, previous_runs.get("wandb")))
-    if cfg.tracking.mlflow:
-        trackers.append(MlflowTracker(cfg, previous_runs.get("mlflow")))
+    try:
+        if cfg.train.tensorboard:
+            trackers += TensorBoardTracker.open(cfg, start_step)  # none, with a warning, without the package
+        for kind, switch in ((WandbTracker, cfg.tracking.wandb), (MlflowTracker, cfg.tracking.mlflow)):
+            if switch:
+                trackers.append(start(kind, cfg, previous_runs.get(kind.name)))
+    except BaseException:
+        for tracker in trackers:  # those already started: not left open
+            tracker.close(failed=True)
+        raise
     return trackers
+
+
+def start(kind: type, cfg, run_id: str | None):
+    """A W&B or MLflow run; one that cannot start (no server, a bad URI) is a UsageError."""
+    try:
+        return kind(cfg, run_id)
+    except UsageError:
+        raise
+    except Exception as error:
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[-1]
+        raise UsageError(
+            f"tracking.{kind.name} is on but its run cannot start ({reason}); fix its settings "
+            f"or set tracking.{kind.name}=false"
+        ) from None
 
 
 def tracker_runs(cfg, trackers: list) -> dict:

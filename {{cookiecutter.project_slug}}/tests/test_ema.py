@@ -76,3 +76,34 @@ def test_a_resumed_run_ends_with_the_same_average_and_reports_and_evaluates_it(t
         assert json.loads(printed) | {"val_loss": rows[-1][f"{prefix}val_loss"], "ema": bool(flag)} == json.loads(
             printed
         )
+
+
+def test_tied_weights_are_averaged_once_and_saved_under_each_name():
+    model = nn.Sequential(nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False))
+    model[1].weight = model[0].weight  # tied, as an embedding and its output layer
+    ema = WeightEMA(model, decay=0.5, start_step=0)
+    with torch.no_grad():
+        model[0].weight.add_(2.0)
+    before = ema.tensors["0.weight"].clone()
+    ema.update(1)
+    assert list(ema.tensors) == ["0.weight", "1.weight"] and ema.tensors["1.weight"] is ema.tensors["0.weight"]
+    assert torch.allclose(ema.tensors["0.weight"], 0.5 * before + 0.5 * model[0].weight)
+    kept, average = model[0].weight.detach().clone(), ema.averages["0.weight"].clone()
+    with ema.swapped_into_model():
+        assert torch.equal(model[1].weight, average)  # swapped once, not twice
+    assert torch.equal(model[0].weight, kept)
+
+
+def test_fine_tuning_starts_the_average_from_the_loaded_weights(tmp_path):
+    """init_from (and a checkpoint without an EMA) loads weights after the EMA was made."""
+    run_script("train.py", [*FAST, "train.stop_at_step=8", f"output_dir={tmp_path / 'source'}"])
+    source = tmp_path / "source" / "checkpoints" / "last.pt"
+    args = [*ARGS, "train.ema_decay=0.999999", "train.ema_start_step=0", "train.stop_at_step=1"]
+    run_script(
+        "train.py",
+        [*args, "checkpoint.resume=none", f"checkpoint.init_from={source}", f"output_dir={tmp_path / 'tuned'}"],
+    )
+    loaded = load_checkpoint(source)["model"]
+    ema = load_checkpoint(tmp_path / "tuned" / "checkpoints" / "last.pt")["ema"]
+    for key, value in loaded.items():
+        assert torch.allclose(ema[key].float(), value.float(), atol=1e-4), key  # not the fresh model's weights

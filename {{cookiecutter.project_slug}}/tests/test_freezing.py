@@ -1,12 +1,14 @@
 """train.freeze: frozen parameters stay as they are, train.freeze_epochs unfreezes them
 (DDP wrapped again), and a resume across the unfreeze is bitwise."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn as nn
 
-from conftest import FAST, run_script, tensors
-from engine.checkpoint import load_checkpoint
+from conftest import FAST, reference_config, run_script, tensors
+from engine.checkpoint import config_changes, load_checkpoint
 from engine.config import TrainConfig
 from engine.errors import ConfigError
 from engine.freezing import freeze
@@ -40,11 +42,18 @@ def test_frozen_for_an_epoch_then_trained_and_a_resume_after_the_unfreeze_is_bit
     # Stopped in epoch 1: the resumed run builds the model frozen and unfreezes it at once.
     run_script("train.py", [*args, f"output_dir={split}", f"train.stop_at_step={STEPS_PER_EPOCH + 4}"], nproc=2)
     run_script("train.py", [*args, f"output_dir={split}"], nproc=2)
-    a, b = (load_checkpoint(out / "checkpoints" / "last.pt") for out in (whole, split))
-    assert a["step"] == b["step"] == 3 * STEPS_PER_EPOCH
-    for part in ("model", "optimizer"):
-        for key, value in tensors(a[part]).items():
-            assert torch.equal(tensors(b[part])[key], value), f"{part}{key} differs after resume"
+    # Resumed from the end of the frozen epoch (a requeue between epochs): unfrozen only then.
+    epoch_end = whole / "checkpoints" / f"step-{STEPS_PER_EPOCH:08d}.pt"
+    assert load_checkpoint(epoch_end)["batches_done"] == 0
+    between = tmp_path / "between"
+    run_script("train.py", [*args, f"output_dir={between}", f"checkpoint.resume={epoch_end}"], nproc=2)
+    a = load_checkpoint(whole / "checkpoints" / "last.pt")
+    for other in (split, between):
+        b = load_checkpoint(other / "checkpoints" / "last.pt")
+        assert a["step"] == b["step"] == 3 * STEPS_PER_EPOCH
+        for part in ("model", "optimizer"):
+            for key, value in tensors(a[part]).items():
+                assert torch.equal(tensors(b[part])[key], value), f"{part}{key} differs after resume ({other.name})"
 
 
 def test_under_fsdp_frozen_parameters_stay_as_they_are_for_the_whole_run(tmp_path):
@@ -81,3 +90,13 @@ def test_unfrozen_parameters_warm_up_again_from_the_unfreeze():
         assert now == pytest.approx(lr_factor(step, train, 4))
         ramp = 0 if step < 8 else min(1, (step - 7) / 4)  # from the unfreeze at step 8, over an epoch
         assert later == pytest.approx(ramp * now)
+
+
+def test_freeze_settings_cannot_change_on_resume():
+    saved = dataclasses.asdict(reference_config(None, ["train.freeze=net.2", "train.freeze_epochs=1"]))
+    for overrides, change in (
+        (["train.freeze=net.2"], "train.freeze_epochs: 1 -> 0"),
+        (["train.freeze=net.3", "train.freeze_epochs=1"], "train.freeze: 'net.2' -> 'net.3'"),
+    ):
+        assert config_changes(saved, reference_config(None, overrides)) == [change]
+    assert config_changes(saved, reference_config(None, ["train.freeze=net.2", "train.freeze_epochs=1"])) == []

@@ -105,6 +105,18 @@ def test_a_missing_tracker_package_is_one_line_before_training(tmp_path):
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
+def test_a_tracker_that_cannot_start_is_one_line_before_training(tmp_path):
+    args = [*FAST, "tracking.mlflow=true", f"output_dir={tmp_path / 'run'}"]
+    (tmp_path / "a_file").write_text("")
+    env = {"MLFLOW_TRACKING_URI": f"sqlite:///{tmp_path}/a_file/mlflow.db"}  # a folder that cannot exist
+    result = run_script("train.py", args, env=env, check=False)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: tracking.mlflow is on but its run cannot start (")
+    assert lines[0].endswith("); fix its settings or set tracking.mlflow=false")
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
 def wandb_records(path):
     """The records of an offline W&B run file: a 7-byte header, then LevelDB log blocks of
     32 KiB, each record in chunks (checksum, length, type: 1 whole, 2-4 first/middle/last)."""

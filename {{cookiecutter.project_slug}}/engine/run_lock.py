@@ -152,4 +152,13 @@ def pid_alive(pid) -> bool:
         return False
     except PermissionError:
         return True  # alive, another user's
-    return True
+    return not zombie(pid)
+
+
+def zombie(pid: int) -> bool:
+    """Dead but not yet reaped (a killed rank whose launcher died too waits for init):
+    signals still reach it, but it holds nothing."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except (OSError, IndexError):
+        return False  # no /proc (not Linux): trust the signal

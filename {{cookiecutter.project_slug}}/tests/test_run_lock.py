@@ -5,8 +5,10 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -95,10 +97,24 @@ def test_a_lock_whose_heartbeat_stopped_is_taken_over(tmp_path):
 
 
 def test_a_lock_of_a_dead_pid_on_this_host_is_taken_over(tmp_path):
-    dead = start_script("train.py", ["--help"])
+    dead = subprocess.Popen(["true"])
     dead.communicate()
     lock_held_by(tmp_path, host=os.uname().nodename, pid=dead.pid)
     RunLock(tmp_path).acquire().release()
+
+
+def test_a_lock_of_a_killed_process_not_yet_reaped_is_taken_over(tmp_path):
+    """A rank killed with its launcher stays a zombie until init reaps it."""
+    zombie = subprocess.Popen(["true"])  # not waited for: a zombie once it exits
+    try:
+        stat = Path(f"/proc/{zombie.pid}/stat")
+        deadline = time.monotonic() + 10
+        while stat.read_text().rsplit(")", 1)[1].split()[0] != "Z" and time.monotonic() < deadline:
+            time.sleep(0.01)
+        lock_held_by(tmp_path, host=os.uname().nodename, pid=zombie.pid)
+        RunLock(tmp_path).acquire().release()
+    finally:
+        zombie.wait()
 
 
 def as_torchrun_rank_0(monkeypatch, run_id="f00d", store=("node-0", "4711")):

@@ -117,20 +117,82 @@ def clean_env(extra=None) -> dict:
     return {**env, **(extra or {})}
 
 
-def run_script(script, args, nproc=None, env=None, timeout=240, check=True, torchrun_args=(), cwd=None):
-    """Run train.py/evaluate.py in a fresh process (under torchrun when `nproc` is set), in
-    the machinery's copy of the project unless `cwd` says otherwise."""
-    result = subprocess.run(
-        command(script, args, nproc, torchrun_args),
-        cwd=cwd or machinery_project(),
-        env=clean_env(env),
-        capture_output=True,
-        text=True,
-        timeout=timeout,
-    )
+def run_script(
+    script, args, nproc=None, env=None, timeout=240, check=True, torchrun_args=(), cwd=None, real_launcher=False
+):
+    """Run train.py/evaluate.py as `python` or, when `nproc` is set, as `nproc` ranks, in
+    the machinery's copy of the project unless `cwd` says otherwise. The ranks are forked
+    from a server that has imported torch (rank_server.py), with torchrun's variables,
+    unless the launcher is under test (`real_launcher`, or a rendezvous in `torchrun_args`):
+    then it is a fresh `python` or `torchrun` process."""
+    cwd = cwd or machinery_project()
+    if real_launcher or torchrun_args or read_at_exec(env or {}):
+        result = subprocess.run(
+            command(script, args, nproc, torchrun_args),
+            cwd=cwd,
+            env=clean_env(env),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+        )
+    else:
+        result = run_forked(script, args, nproc, clean_env(env), timeout, cwd)
     if check and result.returncode != 0:
         raise AssertionError(f"{script} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
     return result
+
+
+def read_at_exec(env: dict) -> list[str]:
+    """Variables that only a new process reads (the C library's, the interpreter's
+    but PYTHONPATH, which the rank server applies): a run given them is started fresh."""
+    return [
+        name
+        for name in env
+        if name.startswith(("GLIBC_", "MALLOC_", "LD_", "OMP_")) or (name.startswith("PYTHON") and name != "PYTHONPATH")
+    ]
+
+
+def run_forked(script, args, nproc, env, timeout, cwd) -> subprocess.CompletedProcess:
+    """One run through the rank server; exit code 1 if any rank failed, as torchrun's."""
+    envs = [env] if nproc is None else rank_environments(env, nproc)
+    with tempfile.TemporaryDirectory(prefix="run-") as logs:
+        out, err = Path(logs, "stdout"), Path(logs, "stderr")
+        request = dict(script=str(script), args=list(map(str, args)), cwd=str(cwd), envs=envs, timeout=timeout)
+        server = rank_server()
+        server.stdin.write(json.dumps({**request, "stdout": str(out), "stderr": str(err)}) + "\n")
+        server.stdin.flush()
+        reply = server.stdout.readline()
+        if not reply:
+            raise AssertionError(f"the rank server stopped (exit {server.wait()})")
+        reply = json.loads(reply)
+        stdout, stderr = (path.read_text() if path.exists() else "" for path in (out, err))
+    cmd = command(script, args, nproc)
+    if reply["timed_out"]:
+        raise subprocess.TimeoutExpired(cmd, timeout, output=stdout, stderr=stderr)
+    codes = reply["returncodes"]
+    returncode = codes[0] if nproc is None else int(any(codes))
+    return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
+
+
+def rank_environments(env: dict, nproc: int) -> list[dict]:
+    """What torchrun --standalone gives each of `nproc` ranks on this machine."""
+    world = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}
+    world |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "TORCHELASTIC_RESTART_COUNT": "0"}
+    return [{**env, **world, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(nproc)]
+
+
+@functools.cache
+def rank_server() -> subprocess.Popen:
+    """This test process's rank server, started at its first run and stopped at its exit."""
+    server = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("rank_server.py"))],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        env=clean_env(),
+        text=True,
+    )
+    atexit.register(server.stdin.close)  # the server ends at the end of its input
+    return server
 
 
 def start_script(script, args, nproc=None, env=None, torchrun_args=()) -> subprocess.Popen:

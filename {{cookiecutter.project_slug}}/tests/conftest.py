@@ -11,6 +11,7 @@ import atexit
 import functools
 import importlib.util
 import json
+import math
 import os
 import shutil
 import socket
@@ -42,6 +43,7 @@ FAST = [
     "train.lr=0.1",
     "data.augment=false",
     "train.log_every_steps=4",
+    "train.tensorboard=false",  # the tests that read the curves turn it on
 ]
 
 
@@ -266,6 +268,15 @@ def tensors(tree, prefix=""):
     for key, value in items:
         found |= tensors(value, f"{prefix}/{key}")
     return found
+
+
+def assert_one_epoch_trains_on_one_process(train_args, output_dir: Path) -> None:
+    """Your task, the edit loop's check: one epoch on one process gives finite metrics and
+    a checkpoint."""
+    run_script("train.py", [*train_args, "train.epochs=1", f"output_dir={output_dir}"], cwd=PROJECT)
+    (row,) = read_metrics(output_dir)
+    assert all(math.isfinite(value) for value in row.values() if isinstance(value, float)), row
+    assert (output_dir / "checkpoints" / "last.pt").is_file()
 
 
 def evaluate_on_1_2_and_3_processes(train_args, output_dir: Path) -> list[dict]:

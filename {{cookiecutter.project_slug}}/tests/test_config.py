@@ -10,6 +10,8 @@ from engine.errors import ConfigError
 
 CONFIG_YAML = REFERENCE_TASK / "config.yaml"
 
+pytestmark = pytest.mark.quick  # the edit loop: pytest -m quick
+
 
 def test_shipped_config_loads(tmp_path):
     cfg = reference_config(CONFIG_YAML)

@@ -12,6 +12,8 @@ from engine.loader import (
 )
 from engine.seeding import derive_seed, sample_seeds
 
+pytestmark = pytest.mark.quick  # the edit loop: pytest -m quick
+
 
 def datasets(*overrides):
     return build_datasets(project_config(None, ["data.train_size=64", "data.val_size=13", *overrides]))

@@ -9,6 +9,8 @@ from engine.errors import ConfigError
 from engine.loader import SeededSamples
 from engine.seeding import derive_seed, sample_seeds
 
+pytestmark = pytest.mark.quick  # the edit loop: pytest -m quick
+
 
 def datasets(*overrides):
     return build_datasets(project_config(None, ["data.train_size=16", "data.val_size=5", *overrides]))

@@ -10,6 +10,7 @@ import torch
 
 from conftest import (
     PROJECT,
+    assert_one_epoch_trains_on_one_process,
     assert_resume_is_bitwise,
     evaluate_on_1_2_and_3_processes,
     read_metrics,
@@ -29,6 +30,12 @@ SMALL_TASK = [
     "train.num_workers=0",
     "train.tensorboard=false",
 ]
+
+
+@pytest.mark.quick
+def test_your_task_trains_evaluates_and_saves_on_one_process(tmp_path):
+    """The edit loop's run (pytest -m quick): one epoch of the small task, one process."""
+    assert_one_epoch_trains_on_one_process(SMALL_TASK, tmp_path)
 
 
 # The default recipe on a smaller copy of the default data: only sizes are set here.
@@ -86,12 +93,14 @@ def detections(rows_per_image):
     ]
 
 
+@pytest.mark.quick
 def test_coco_map_is_1_for_perfect_detections_and_0_for_none():
     perfect = [{**t, "scores": torch.ones(len(t["labels"]))} for t in TARGETS]
     assert coco_map(perfect, TARGETS) == {"map": pytest.approx(1.0), "map50": pytest.approx(1.0)}
     assert coco_map(detections([[], []]), TARGETS) == {"map": 0.0, "map50": 0.0}
 
 
+@pytest.mark.quick
 def test_coco_map_counts_wrong_labels_misses_and_loose_boxes():
     # Class 1 is never found (AP 0); class 2's false detection scores below its hit (AP 1).
     wrong_label = detections([[([10, 10, 50, 40], 2, 0.5), ([60, 60, 90, 100], 2, 0.9)], [([0, 0, 30, 30], 3, 0.9)]])

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import (
     PROJECT,
+    assert_one_epoch_trains_on_one_process,
     assert_resume_is_bitwise,
     evaluate_on_1_2_and_3_processes,
     read_metrics,
@@ -25,6 +26,12 @@ SMALL_TASK = [
     "train.num_workers=0",
     "train.tensorboard=false",
 ]
+
+
+@pytest.mark.quick
+def test_your_task_trains_evaluates_and_saves_on_one_process(tmp_path):
+    """The edit loop's run (pytest -m quick): one epoch of the small task, one process."""
+    assert_one_epoch_trains_on_one_process(SMALL_TASK, tmp_path)
 
 
 # The default recipe on a smaller copy of the default data: only sizes are set here.

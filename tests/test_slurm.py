@@ -138,12 +138,12 @@ def test_usr1_before_time_limit_checkpoints_requeues_and_finishes(slurm, project
 
 
 def test_a_time_limit_during_evaluation_requeues_and_the_job_finishes(slurm, project, tmp_path):
-    # A real time limit: 1 minute, SIGUSR1 40 s before it, 20 s after the start (SLURM
-    # looks at time limits every few seconds here). 16 training steps take seconds; the
-    # evaluation (200,000 samples one at a time, 50-90 s) spans the signal's time.
+    # A real time limit: 2 minutes, SIGUSR1 60 s before it (SLURM sends it within a few
+    # seconds of that here). 16 training steps take seconds; the evaluation (200,000
+    # samples one at a time, about 90 s) spans the signal's time.
     out = tmp_path / "run"
     args = [*FAST, "data.train_size=512", "data.val_size=200000", "train.eval_batch_size=1", f"output_dir={out}"]
-    job_id = submit(project, slurm, ["--time=1", "--signal=B:USR1@40"], [*args, "train.epochs=1"])
+    job_id = submit(project, slurm, ["--time=2", "--signal=B:USR1@60"], [*args, "train.epochs=1"])
     log = project / f"slurm-{job_id}.out"
     wait_until(lambda: log.is_file() and "requeueing job" in log.read_text(), 150, "the requeue")
     # The next run re-evaluates the epoch, which takes longer than SIGUSR1's 60 s: give it

@@ -1,4 +1,4 @@
-"""Shared helpers: run the project's scripts as real processes (python or torchrun).
+"""Shared helpers: run the project's scripts in real processes (forked ranks, python or torchrun).
 
 Two kinds of tests live here. The machinery's tests (most files) train the reference
 task in tests/reference_task, a frozen copy of the example, in a copy of this project
@@ -13,6 +13,7 @@ import importlib.util
 import json
 import math
 import os
+import random
 import shutil
 import socket
 import subprocess
@@ -124,34 +125,38 @@ def run_script(
 ):
     """Run train.py/evaluate.py as `python` or, when `nproc` is set, as `nproc` ranks, in
     the machinery's copy of the project unless `cwd` says otherwise. The ranks are forked
-    from a server that has imported torch (rank_server.py), with torchrun's variables,
-    unless the launcher is under test (`real_launcher`, or a rendezvous in `torchrun_args`):
-    then it is a fresh `python` or `torchrun` process."""
+    from a server that has imported torch (rank_server.py), with torchrun's variables.
+    A fresh `python` or `torchrun` process runs instead when the launcher is under test
+    (`real_launcher`, or any `torchrun_args`) or `env` sets a variable the server cannot
+    give a forked rank (`FORKED_RANKS_TAKE`)."""
     cwd = cwd or machinery_project()
-    if real_launcher or torchrun_args or read_at_exec(env or {}):
+    env = clean_env(env)
+    if real_launcher or torchrun_args or not forkable(env):
         result = subprocess.run(
             command(script, args, nproc, torchrun_args),
             cwd=cwd,
-            env=clean_env(env),
+            env=env,
             capture_output=True,
             text=True,
             timeout=timeout,
         )
     else:
-        result = run_forked(script, args, nproc, clean_env(env), timeout, cwd)
+        result = run_forked(script, args, nproc, env, timeout, cwd)
     if check and result.returncode != 0:
         raise AssertionError(f"{script} exited {result.returncode}\n{result.stdout}\n{result.stderr}")
     return result
 
 
-def read_at_exec(env: dict) -> list[str]:
-    """Variables that only a new process reads (the C library's, the interpreter's
-    but PYTHONPATH, which the rank server applies): a run given them is started fresh."""
-    return [
-        name
-        for name in env
-        if name.startswith(("GLIBC_", "MALLOC_", "LD_", "OMP_")) or (name.startswith("PYTHON") and name != "PYTHONPATH")
-    ]
+# What a forked rank can be given beyond the server's own environment: PYTHONPATH (the
+# server puts it on sys.path) and what is read after start. Anything else (the C
+# library's MALLOC_*, OMP_*, torch's import-time settings) needs a new process.
+FORKED_RANKS_TAKE = ("PYTHONPATH", "WANDB_", "MLFLOW_")
+
+
+def forkable(env: dict) -> bool:
+    server_env = rank_server_env()
+    changed = {name for name in env.keys() | server_env.keys() if env.get(name) != server_env.get(name)}
+    return all(name.startswith(FORKED_RANKS_TAKE) for name in changed)
 
 
 def run_forked(script, args, nproc, env, timeout, cwd) -> subprocess.CompletedProcess:
@@ -160,13 +165,7 @@ def run_forked(script, args, nproc, env, timeout, cwd) -> subprocess.CompletedPr
     with tempfile.TemporaryDirectory(prefix="run-") as logs:
         out, err = Path(logs, "stdout"), Path(logs, "stderr")
         request = dict(script=str(script), args=list(map(str, args)), cwd=str(cwd), envs=envs, timeout=timeout)
-        server = rank_server()
-        server.stdin.write(json.dumps({**request, "stdout": str(out), "stderr": str(err)}) + "\n")
-        server.stdin.flush()
-        reply = server.stdout.readline()
-        if not reply:
-            raise AssertionError(f"the rank server stopped (exit {server.wait()})")
-        reply = json.loads(reply)
+        reply = ask_rank_server({**request, "stdout": str(out), "stderr": str(err), "id": logs})
         stdout, stderr = (path.read_text() if path.exists() else "" for path in (out, err))
     cmd = command(script, args, nproc)
     if reply["timed_out"]:
@@ -176,11 +175,47 @@ def run_forked(script, args, nproc, env, timeout, cwd) -> subprocess.CompletedPr
     return subprocess.CompletedProcess(cmd, returncode, stdout, stderr)
 
 
+def ask_rank_server(request: dict) -> dict:
+    """Its reply to this request; a server that failed is stopped and the next run starts another."""
+    server = rank_server()
+    try:
+        server.stdin.write(json.dumps(request) + "\n")
+        server.stdin.flush()
+        reply = json.loads(server.stdout.readline() or "null")
+        if reply is None or reply["id"] != request["id"]:
+            raise AssertionError(f"the rank server stopped or lost track (exit {server.poll()}, reply {reply})")
+        return reply
+    except BaseException:
+        server.kill()
+        rank_server.cache_clear()
+        raise
+
+
 def rank_environments(env: dict, nproc: int) -> list[dict]:
     """What torchrun --standalone gives each of `nproc` ranks on this machine."""
     world = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}
-    world |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "TORCHELASTIC_RESTART_COUNT": "0"}
+    world |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(rendezvous_port()), "TORCHELASTIC_RESTART_COUNT": "0"}
     return [{**env, **world, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(nproc)]
+
+
+def rendezvous_port() -> int:
+    """A free port below the kernel's ephemeral range, which rank 0 binds a moment later:
+    ports the kernel hands out in the meantime (gloo's, other tests') come from that range."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for port in random.sample(range(low // 2, low), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    return free_port()
+
+
+@functools.cache
+def rank_server_env() -> dict:
+    """The environment the rank server starts with (torch reads some of it at import)."""
+    return clean_env()
 
 
 @functools.cache
@@ -190,7 +225,7 @@ def rank_server() -> subprocess.Popen:
         [sys.executable, str(Path(__file__).with_name("rank_server.py"))],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
-        env=clean_env(),
+        env=rank_server_env(),
         text=True,
     )
     atexit.register(server.stdin.close)  # the server ends at the end of its input

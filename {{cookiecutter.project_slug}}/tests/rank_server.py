@@ -13,6 +13,7 @@ Like torchrun, once a rank fails the others get SIGTERM, and SIGKILL 30 s later.
 """
 
 import atexit
+import contextlib
 import gc
 import json
 import os
@@ -36,27 +37,40 @@ GRACE_S = 30  # torchrun's wait between SIGTERM and SIGKILL
 
 def become_rank(request: dict, env: dict) -> None:
     """In the forked child: run the script as `python` would; never returns."""
-    os.dup2(os.open(os.devnull, os.O_RDONLY), 0)
-    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
-        opened = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-        os.dup2(opened, fd)
-        os.close(opened)
-    os.chdir(request["cwd"])
-    os.environ.clear()
-    os.environ.update(env)
-    script = os.path.abspath(request["script"])
-    sys.argv = [request["script"], *request["args"]]
-    sys.path[0] = os.path.dirname(script)
-    sys.path[1:1] = [path for path in env.get("PYTHONPATH", "").split(os.pathsep) if path]
+    code = 1
+    try:
+        os.setsid()  # torchrun starts each rank in a session of its own, which it signals whole
+        with open(os.devnull) as nothing:  # a rank must not read the server's requests
+            os.dup2(nothing.fileno(), 0)
+        for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+            opened = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(env)
+        script = os.path.abspath(request["script"])
+        sys.argv = [request["script"], *request["args"]]
+        sys.path[0] = os.path.dirname(script)
+        sys.path[1:1] = [path for path in env.get("PYTHONPATH", "").split(os.pathsep) if path]
+        code = run_as_main(script)
+        exit_without_teardown(code)
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+    finally:
+        os._exit(code)  # never back into the server's loop
+
+
+def run_as_main(script: str) -> int:
+    """The script's exit code, as `python script` ends."""
     try:
         runpy.run_path(script, run_name="__main__")
-        code = 0
+        return 0
     except SystemExit as stop:
-        code = exit_code(stop)
+        return exit_code(stop)
     except BaseException:
         sys.excepthook(*sys.exc_info())  # as the interpreter reports an uncaught exception (torch prefixes the rank)
-        code = 1
-    exit_without_teardown(code)
+        return 1
 
 
 def exit_code(stop: SystemExit) -> int:
@@ -67,13 +81,11 @@ def exit_code(stop: SystemExit) -> int:
 
 
 def exit_without_teardown(code: int) -> None:
-    """End as an interpreter ends (other threads joined, atexit handlers run, output
-    flushed), but without tearing down every module: with torch loaded that took 1.2 s
-    of a 2.4 s run. Only what a script leaves to finalizers at exit is skipped; the
+    """End as an interpreter ends (threads stopped and joined, atexit handlers run,
+    output flushed), but without tearing down every module: with torch loaded that took
+    1.2 s of a 2.4 s run. Only what a script leaves to finalizers at exit is skipped; the
     tests of real launches still cover it."""
-    for thread in threading.enumerate():
-        if thread is not threading.main_thread() and not thread.daemon:
-            thread.join()
+    threading._shutdown()  # what the interpreter calls first: stops executors, joins threads
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -93,6 +105,8 @@ def wait_all(pids: list[int], timeout: float) -> tuple[list[int], bool]:
                 kill_at = time.monotonic() + GRACE_S
             continue
         now = time.monotonic()
+        if os.getppid() == 1:  # the test process died: nobody waits for this run
+            deadline = now
         if now > deadline or (kill_at is not None and now > kill_at):
             signal_rest(pids, codes, signal.SIGKILL)
             if now > deadline:
@@ -104,9 +118,14 @@ def wait_all(pids: list[int], timeout: float) -> tuple[list[int], bool]:
 
 
 def signal_rest(pids: list[int], codes: dict, signum: int) -> None:
+    """Each rank still running, with what it started (its session's process group)."""
     for pid in pids:
         if pid not in codes:
-            os.kill(pid, signum)
+            try:
+                os.killpg(pid, signum)
+            except ProcessLookupError:  # not yet in its own session
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signum)
 
 
 def main() -> None:
@@ -120,8 +139,13 @@ def main() -> None:
             if pid == 0:
                 become_rank(request, env)
             pids.append(pid)
-        returncodes, timed_out = wait_all(pids, request["timeout"])
-        print(json.dumps({"returncodes": returncodes, "timed_out": timed_out}), flush=True)
+        try:
+            returncodes, timed_out = wait_all(pids, request["timeout"])
+        except BaseException:  # e.g. Ctrl-C: the ranks, in sessions of their own, would run on
+            signal_rest(pids, {}, signal.SIGKILL)
+            raise
+        reply = {"id": request["id"], "returncodes": returncodes, "timed_out": timed_out}
+        print(json.dumps(reply), flush=True)
 
 
 if __name__ == "__main__":

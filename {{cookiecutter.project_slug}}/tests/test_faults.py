@@ -474,7 +474,8 @@ def one_error_line(result):
     ],
 )
 def test_bad_values_under_torchrun_are_one_line(tmp_path, args, message):
-    result = run_script("train.py", [*FAST, f"output_dir={tmp_path / 'run'}", *args], nproc=2, check=False)
+    args = [*FAST, f"output_dir={tmp_path / 'run'}", *args]
+    result = run_script("train.py", args, nproc=2, check=False, real_launcher=True)
     assert one_error_line(result).startswith(message)
 
 

@@ -52,7 +52,7 @@ def running(tmp_path_factory):
 def test_a_second_run_on_a_busy_output_dir_refuses_before_writing(running, nproc, torchrun_args):
     out, first = running
     second = [*FAST, f"output_dir={out}", "train.epochs=7"]
-    result = run_script("train.py", second, nproc=nproc, torchrun_args=torchrun_args, check=False)
+    result = run_script("train.py", second, nproc=nproc, torchrun_args=torchrun_args, check=False, real_launcher=True)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and result.returncode != 0, result.stderr
     holder = json.loads((out / LOCK_NAME).read_text())

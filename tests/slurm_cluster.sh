@@ -61,7 +61,7 @@ install_pkgs() {
 write_config() {
   local host cpus ctld_port=${SLURM_KIT_CTLD_PORT:-6817} d_port=${SLURM_KIT_SLURMD_PORT:-6818}
   host=$(hostname -s)   # slurmd identifies itself by the short hostname -> must be the NodeName
-  cpus=$(nproc)
+  cpus=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc)   # nproc obeys OMP_NUM_THREADS: =1 gave a 1-CPU node, where srun -n 2 fails
   mkdir -p "$DIR"/{state,spool,log,munge}
   chmod 711 "$DIR/munge"   # munged refuses group/world-writable key dirs; x for all so non-root clients reach the socket
   cat > "$DIR/slurm.conf" <<EOF

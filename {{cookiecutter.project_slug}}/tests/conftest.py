@@ -156,6 +156,7 @@ FORKED_RANKS_TAKE = ("PYTHONPATH", "WANDB_", "MLFLOW_")
 def forkable(env: dict) -> bool:
     server_env = rank_server_env()
     changed = {name for name in env.keys() | server_env.keys() if env.get(name) != server_env.get(name)}
+    changed.discard("PYTEST_CURRENT_TEST")  # pytest sets it for each test
     return all(name.startswith(FORKED_RANKS_TAKE) for name in changed)
 
 

@@ -6,7 +6,7 @@ import sys
 import pytest
 import torch
 
-from conftest import FAST, clean_env, free_port, machinery_project, run_script
+from conftest import FAST, clean_env, forkable, free_port, machinery_project, run_script
 from engine.checkpoint import load_checkpoint
 
 RUN = [*FAST, "train.epochs=1", "checkpoint.resume=none"]
@@ -105,3 +105,11 @@ def test_only_the_node_leader_prepares_while_the_others_wait(tmp_path):
     events = log.read_text().split("\n")[:-1]
     assert events[:2] == ["start 0 0", "end 0 0"]  # the others waited for it
     assert sorted(events[2:]) == ["after 0", "after 1", "after 2"]  # and did not prepare
+
+
+def test_runs_are_forked_unless_their_environment_needs_a_new_process():
+    """The tests' runs fork from the rank server (pytest's own per-test variable aside);
+    settings a process reads at start get a fresh one."""
+    later_test = clean_env({"PYTEST_CURRENT_TEST": "tests/test_x.py::test_y (call)"})
+    assert forkable(later_test) and forkable(clean_env({"PYTHONPATH": "/x", "WANDB_MODE": "offline"}))
+    assert not forkable(clean_env({"MALLOC_ARENA_MAX": "2"})) and not forkable(clean_env({"TORCH_LOGS": "+dynamo"}))

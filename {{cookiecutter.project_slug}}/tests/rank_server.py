@@ -6,8 +6,8 @@ The ranks are real processes on real gloo process groups, with real files; only 
 launcher is left out, so tests of the launcher itself (torchrun's restarts, signals,
 srun) keep starting torchrun. conftest.py's `run_script` starts one server per test
 process and sends it one request at a time, a JSON line:
-  {"script", "args", "cwd", "envs": [one environment per rank], "stdout", "stderr", "timeout"}
-and reads back {"returncodes": [...], "timed_out": bool}.
+  {"id", "script", "args", "cwd", "envs": [one environment per rank], "stdout", "stderr", "timeout"}
+and reads back {"id", "returncodes": [...], "timed_out": bool}.
 
 Like torchrun, once a rank fails the others get SIGTERM, and SIGKILL 30 s later.
 """

@@ -31,6 +31,7 @@ from conftest import (
     wait_for_line,
 )
 from engine.checkpoint import load_checkpoint, save_checkpoint, step_checkpoints
+from engine.run_lock import pid_alive  # alive and not a zombie (an orphan may wait unreaped)
 
 # Long enough epochs that a signal lands mid-epoch; runs end at train.stop_at_step.
 LONG = [*FAST, "data.train_size=8192", "train.log_every_steps=1", "data.augment=true", "model.dropout=0.1"]
@@ -327,22 +328,13 @@ def descendants(pid: int) -> list[int]:
     return found + [grandchild for child in found for grandchild in descendants(child)]
 
 
-def running(pid: int) -> bool:
-    """Alive and not a zombie: an orphan that exited may wait unreaped under pid 1."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] not in "ZX"
-
-
 def left_after(pids: list[int], seconds: float) -> list[int]:
     """Those of `pids` still running `seconds` from now (or once all are gone), then
     killed, so that a failing test leaves nothing behind."""
     deadline = time.monotonic() + seconds
-    while any(map(running, pids)) and time.monotonic() < deadline:
+    while any(map(pid_alive, pids)) and time.monotonic() < deadline:
         time.sleep(0.5)
-    left = [pid for pid in pids if running(pid)]
+    left = [pid for pid in pids if pid_alive(pid)]
     for pid in left:
         os.kill(pid, signal.SIGKILL)
     return left

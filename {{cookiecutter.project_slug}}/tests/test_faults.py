@@ -465,10 +465,18 @@ def one_error_line(result):
         (["model.name=vit"], "error: unknown model.name 'vit': choose resnet18 or mlp, or add yours in model.py"),
     ],
 )
-def test_bad_values_under_torchrun_are_one_line(tmp_path, args, message):
+def test_bad_values_are_one_line_from_two_ranks(tmp_path, args, message):
     args = [*FAST, f"output_dir={tmp_path / 'run'}", *args]
-    result = run_script("train.py", args, nproc=2, check=False, real_launcher=True)
+    result = run_script("train.py", args, nproc=2, check=False)
     assert one_error_line(result).startswith(message)
+
+
+def test_bad_values_under_torchrun_are_one_line(tmp_path):
+    """Under torchrun itself, a value found bad once the ranks have met (here, the data's
+    folder) is one line too: test_train.py has one found before they meet."""
+    args = [*FAST, f"output_dir={tmp_path / 'run'}", "data.name=imagefolder", "data.root=/nonexistent"]
+    result = run_script("train.py", args, nproc=2, check=False, real_launcher=True)
+    assert one_error_line(result).startswith("error: data.root: '/nonexistent/train' is missing")
 
 
 def test_yaml_syntax_error_names_the_line(tmp_path):

@@ -184,7 +184,7 @@ real_load = torch.load
 
 def recording_load(*args, **kwargs):
     calls.append({"map_location": str(kwargs.get("map_location")), "weights_only": kwargs.get("weights_only")})
-    with open(os.environ["LOADS_LOG"] + os.environ.get("RANK", "0"), "w") as f:
+    with open(os.path.join(os.path.dirname(__file__), "loads" + os.environ.get("RANK", "0")), "w") as f:
         json.dump(calls, f)
     return real_load(*args, **kwargs)
 
@@ -199,9 +199,7 @@ def test_every_load_during_resume_is_cpu_mapped_and_weights_only(tmp_path):
     script.write_text(RECORD_LOADS)
     run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=5"], nproc=2)
     args = [*FAST, f"output_dir={out}", "train.stop_at_step=10"]
-    run_script(
-        str(script), args, nproc=2, env={"LOADS_LOG": str(tmp_path / "loads"), "PYTHONPATH": str(machinery_project())}
-    )
+    run_script(str(script), args, nproc=2, env={"PYTHONPATH": str(machinery_project())})
     calls = [call for rank in (0, 1) for call in json.loads((tmp_path / f"loads{rank}").read_text())]
     assert len(calls) >= 2
     assert all(call == {"map_location": "cpu", "weights_only": True} for call in calls), calls

@@ -34,8 +34,8 @@ from engine.checkpoint import load_checkpoint, save_checkpoint, step_checkpoints
 from engine.run_lock import pid_alive  # alive and not a zombie (an orphan may wait unreaped)
 
 # Long enough epochs that a signal lands mid-epoch; runs end at train.stop_at_step.
-LONG = [*FAST, "data.train_size=4096", "train.log_every_steps=1", "data.augment=true", "model.dropout=0.1"]
-END = 160  # past the first epoch (128 steps on 2 processes): resumes cross an epoch boundary
+LONG = [*FAST, "data.train_size=8192", "train.log_every_steps=1", "data.augment=true", "model.dropout=0.1"]
+END = 300
 
 
 def last(output_dir):

@@ -36,9 +36,9 @@ def ci_step(project: Path, name: str) -> dict:
     return next(step for step in steps if step.get("name") == name)
 
 
-# The longest first, so that the other worker runs the short ones beside them instead of
-# leaving one long test alone at the end (seconds measured on 2 cores; the SLURM group is
-# scheduled as one).
+# The longest first (by --durations on 2 cores), so that the other worker runs the short
+# ones beside them instead of leaving one long test alone at the end; the SLURM group is
+# scheduled as one.
 LONGEST_FIRST = ("test_generated_project_passes_its_own_suite", "test_slurm.py", "test_each_other_task")
 
 

@@ -24,6 +24,7 @@ SUITE_PARTS = {
         "test_train.py",
         "test_task_interface.py",
         "test_launch.py",
+        "test_entry_points.py",
     ],
     "daily loop and units": [
         "test_trackers.py",

@@ -55,12 +55,13 @@ def main(argv=None) -> None:
         prepare_on_node_leaders(prepare_data, cfg, env, device)  # one writer per node at a time
         with stop_all_if_any_fails(device):
             _, val_set = build_datasets(cfg)
-        val_loader = build_val_loader(val_set, cfg, env, device, getattr(data, "collate_fn", None))
         # Under FSDP sharded as in training (no full copy on any device), else a replica.
         model = build_for_evaluation(lambda: build_model(cfg), cfg, env, device, BLOCKS)
         load_weights(model, Path(args.checkpoint), ckpt, part="ema" if args.ema else "model")
         set_host_allocator(sharded=is_sharded(cfg, env))  # as train.py does
-        metrics = evaluate(model, val_loader, validation_step, build_metrics(cfg), device, cfg.train.precision)
+        # Its workers end with the `with`, before the process group does.
+        with build_val_loader(val_set, cfg, env, device, getattr(data, "collate_fn", None)) as val_loader:
+            metrics = evaluate(model, val_loader, validation_step, build_metrics(cfg), device, cfg.train.precision)
         if is_main():
             shown = {"checkpoint": args.checkpoint, "step": ckpt.get("step"), "ema": args.ema}
             print(json.dumps({**shown, **metrics}), flush=True)

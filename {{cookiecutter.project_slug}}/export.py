@@ -4,7 +4,8 @@
 
 Takes either kind of checkpoint: a .pt file, or the folder an FSDP run saves. It runs in
 one process and holds the whole model in host memory (never the optimizer state of a
-folder, which it does not read). Load the result into the model you train:
+folder, which it does not read); started under torchrun, rank 0 alone writes. Load the
+result into the model you train:
 
   model = build_model(cfg)
   model.load_state_dict(torch.load("model.pt", weights_only=True))
@@ -16,6 +17,7 @@ from pathlib import Path
 import torch
 
 from engine.checkpoint import atomic_write, load_model_state
+from engine.distributed import is_main
 from engine.errors import UsageError
 from engine.logs import report_errors
 
@@ -30,6 +32,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 @report_errors
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if not is_main():  # under a launcher: one writer, the others have nothing to do
+        return
     out = Path(args.out)
     if out.exists():  # it may be a checkpoint: never overwrite one
         raise UsageError(f"{str(out)!r} already exists; choose another --out or remove it first")

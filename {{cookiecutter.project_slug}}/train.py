@@ -21,7 +21,6 @@ from data import DataConfig, build_datasets, prepare_data
 from engine.checkpoint import Checkpointer
 from engine.config import effective_batch, format_config, load_config, save_config
 from engine.distributed import (
-    barrier,
     broadcast_buffers,
     cleanup_distributed,
     init_distributed_mode,
@@ -73,7 +72,7 @@ def main(argv=None) -> None:
         print(format_config(cfg), end="")
         return
     env, device = init_distributed_mode(cfg.dist, Path(cfg.output_dir) / "flight_recorder")
-    lock = None
+    lock, loaders = None, ()
     try:
         with stop_all_if_any_fails(device):
             if is_main():  # one run per output_dir, taken before anything is written there
@@ -83,6 +82,7 @@ def main(argv=None) -> None:
         set_determinism(cfg.train.deterministic, device)
         checkpointer = Checkpointer(cfg, env, device)
         train_loader, val_loader, state = load_train_objs(cfg, env, device, checkpointer)
+        loaders = (train_loader, val_loader)
         rng_restored = checkpointer.resume(state)
         if cfg.train.sanity_check:
             sanity_check(state, val_loader, cfg, checkpointer)
@@ -116,11 +116,12 @@ def main(argv=None) -> None:
             if state.early_stopping.stopped:  # also when a resumed run had already stopped
                 best = checkpointer.directory / "best.pt"
                 run_log.log(state.early_stopping.summary(state.epoch - 1, state.best_metric_value, str(best)))
-        barrier(device)  # leave together: tearing down a group with peers mid-call can abort
     finally:
         gc.unfreeze()
         if lock is not None:
             lock.release()
+        for loader in loaders:  # their worker processes end before the process group does
+            loader.close()
         cleanup_distributed()
 
 

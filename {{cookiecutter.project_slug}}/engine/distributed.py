@@ -275,12 +275,22 @@ def init_method(env: DistEnv) -> str:
 
 
 def cleanup_distributed() -> None:
-    """Leave the process group; when leaving because a collective failed, write the
-    flight recorder first."""
-    if dist.is_available() and dist.is_initialized():
-        if lost_peer(sys.exc_info()[1]):  # called from a `finally` an error is passing through
-            dump_flight_recorder()
-        dist.destroy_process_group()
+    """Leave the process group. Call it from a `finally`: the error passing through, if
+    any, decides how. Ranks that all leave (the work is done, or every rank raised the
+    same agreed error) first wait for each other: with lazy gloo a rank may still be
+    opening a connection to a peer, and a peer that closes it meanwhile aborts the
+    process at exit (SIGABRT, gloo's "state_ <= CONNECTED"). A rank leaving alone never
+    waits, so a failure cannot hang; one leaving because a collective failed writes its
+    flight recorder."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    error = sys.exc_info()[1]
+    if error is None or getattr(error, "agreed", False):
+        with contextlib.suppress(RuntimeError):  # a peer gone meanwhile: leave anyway
+            dist.barrier()  # on the device bound at init (device_id): never a guess at GPU 0
+    elif lost_peer(error):
+        dump_flight_recorder()
+    dist.destroy_process_group()
 
 
 def get_rank() -> int:
@@ -300,12 +310,6 @@ def get_world_size() -> int:
 def is_main() -> bool:
     """True on global rank 0: the one process that logs and writes checkpoints."""
     return get_rank() == 0
-
-
-def barrier(device: torch.device) -> None:
-    if get_world_size() > 1:
-        # On CUDA, name the device: a bare barrier would guess, and may pick GPU 0.
-        dist.barrier(device_ids=[device.index] if device.type == "cuda" else None)
 
 
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
@@ -346,12 +350,18 @@ def stop_all_if_any_fails(device: torch.device):
     if failed_rank == world:
         return
     if error is None or failed_rank != rank:
-        raise PeerFailed(f"rank {failed_rank} failed")
+        raise agreed(PeerFailed(f"rank {failed_rank} failed"))
     if isinstance(error, OSError):
         where = f" {error.filename!r}" if error.filename else ""
         error = UsageError(f"cannot access{where}: {error.strerror or error}")
     error.local = True  # raised on this rank only: report it here, even if not rank 0
-    raise error
+    raise agreed(error)
+
+
+def agreed(error: BaseException) -> BaseException:
+    """Mark an error that every rank raises together: they can still leave together."""
+    error.agreed = True
+    return error
 
 
 def prepare_on_node_leaders(prepare, cfg, env: DistEnv, device: torch.device) -> None:

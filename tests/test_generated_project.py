@@ -40,6 +40,7 @@ SUITE_PARTS = {
         "test_distributed.py",
         "test_batch.py",
         "test_recipe.py",
+        "test_no_data_lost.py",
     ],
 }
 

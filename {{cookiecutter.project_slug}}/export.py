@@ -38,9 +38,16 @@ def main(argv=None) -> None:
     if out.exists():  # it may be a checkpoint: never overwrite one
         raise UsageError(f"{str(out)!r} already exists; choose another --out or remove it first")
     weights = load_model_state(args.checkpoint)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write(out.parent, out.name, lambda f: torch.save(weights, f))
     size = sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write(out.parent, out.name, lambda f: torch.save(weights, f))
+    except OSError as error:  # a file in the way, a read-only or full disk: nothing is left behind
+        reason = f"{error.filename!r} is a file" if isinstance(error, FileExistsError) else error.strerror
+        raise UsageError(
+            f"cannot write {str(out)!r}: {reason or error}; choose an --out in a writable folder "
+            f"with room for {size / 2**20:.1f} MiB"
+        ) from None
     print(f"wrote {out}: {len(weights)} tensors, {size / 2**20:.1f} MiB", flush=True)
 
 

@@ -233,8 +233,8 @@ def train_one_epoch(state: TrainState, loader, cfg, stop: StopRequest, checkpoin
 
 
 def end_epoch(state: TrainState, val_loader, cfg, stop: StopRequest, checkpointer, run_log, train_metrics) -> bool:
-    """Evaluate the epoch's model, save it (best.pt too if it is the best so far), write
-    the epoch's row. Every rank must call this. False if a stop came during the
+    """Evaluate the epoch's model, write the epoch's row, save it (best.pt too if it is
+    the best so far). Every rank must call this. False if a stop came during the
     evaluation: then the state is as before it (RNG too), for a checkpoint from which the
     next run evaluates the epoch again."""
     start = time.perf_counter()
@@ -246,13 +246,15 @@ def end_epoch(state: TrainState, val_loader, cfg, stop: StopRequest, checkpointe
         return False
     memory = report_memory(state.device, f"epoch {state.epoch}", train_state_mib(state.model, state.optimizer))
     row = {"epoch": state.epoch, "step": state.step, **train_metrics, **val_metrics}
+    # outside_train_s: the evaluation's and the memory report's time.
+    row |= {"lr": state.scheduler.get_last_lr()[0], "memory": memory, "outside_train_s": time.perf_counter() - start}
+    # The row before the checkpoint: if the save fails, the next run does the epoch again
+    # from the previous checkpoint and rewinds metrics.jsonl to it (RunLog).
+    with stop_all_if_any_fails(state.device):
+        run_log.write_epoch(row)
     state.early_stopping.update(val_metrics)  # before the save, which keeps its count
     state.finish_epoch()
     checkpointer.save(state, val_metrics)  # best.pt by checkpoint.best_metric
-    # outside_train_s: the time this takes (evaluation, memory report, checkpoint).
-    row |= {"lr": state.scheduler.get_last_lr()[0], "memory": memory, "outside_train_s": time.perf_counter() - start}
-    with stop_all_if_any_fails(state.device):
-        run_log.write_epoch(row)
     return True
 
 

@@ -6,7 +6,6 @@ say `if is_main():` at the call site.
 """
 
 import functools
-import json
 import re
 import sys
 import time
@@ -16,6 +15,7 @@ from tqdm import tqdm
 
 from engine.distributed import PeerFailed, flight_recorder_file, get_rank, is_main, lost_peer
 from engine.errors import UsageError
+from engine.files import append_json_line, rewind_json_lines
 from engine.trackers import open_trackers, tracker_runs
 
 
@@ -75,6 +75,7 @@ class RunLog:
         self.every, self.samples_per_step = cfg.train.log_every_steps, samples_per_step
         self.metrics_path = Path(cfg.output_dir) / "metrics.jsonl"
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
+        rewind_metrics(self.metrics_path, start_step)
         self.trackers = open_trackers(cfg, start_step, previous_runs)
         self.tracker_runs = tracker_runs(cfg, self.trackers)  # for the checkpoint
         runs = [f"{name} run {run_id}" for name, run_id in self.tracker_runs.items() if name != "output_dir"]
@@ -91,8 +92,7 @@ class RunLog:
         self.each_tracker(lambda tracker: tracker.add_scalars(step, scalars))
 
     def write_epoch(self, metrics: dict) -> None:
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(metrics) + "\n")
+        append_json_line(self.metrics_path, metrics)
 
         def send(tracker) -> None:
             tracker.add_scalars(metrics["step"], epoch_scalars(metrics))
@@ -119,6 +119,16 @@ class RunLog:
     def __exit__(self, error_type, error, traceback) -> None:
         # What is still buffered reaches the disk or the server; an error marks the runs failed.
         self.each_tracker(lambda tracker: tracker.close(failed=error_type is not None))
+
+
+def rewind_metrics(path: Path, start_step: int) -> None:
+    """metrics.jsonl as of the checkpoint the run starts from: rows of later steps (work
+    this run does again, e.g. after a save that failed) and torn lines go to
+    metrics.rewound.jsonl, so no epoch has two rows and nothing is deleted."""
+    aside = path.with_name("metrics.rewound.jsonl")
+    moved = rewind_json_lines(path, lambda row: row.get("step", 0) <= start_step, aside)
+    if moved:
+        log(f"note: {moved} line(s) of {path} after step {start_step} moved to {aside}; this run writes them again")
 
 
 class QuietLog:

@@ -32,7 +32,7 @@ import threading
 import time
 from pathlib import Path
 
-from engine.errors import OutputDirInUse
+from engine.errors import OutputDirInUse, UsageError
 
 HEARTBEAT_S = 30.0
 STALE_S = 120.0  # four missed heartbeats
@@ -88,12 +88,22 @@ class RunLock:
         return self
 
     def try_create(self) -> bool:
+        """Create the lock, whole or not at all: written beside it, then linked into place,
+        which fails if a lock exists. A lock that could not be written (a full disk)
+        is never left empty, where it would block the next start as a live holder's."""
+        tmp = self.path.with_name(f".{LOCK_NAME}.{os.getpid()}.tmp")
         try:
-            fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            tmp.write_text(json.dumps(self.me))
+            os.link(tmp, self.path)
         except FileExistsError:
             return False
-        with os.fdopen(fd, "w") as f:
-            json.dump(self.me, f)
+        except OSError as error:
+            raise UsageError(
+                f"cannot write {str(self.path)!r}: {error.strerror or error}; free disk space or choose "
+                "another output_dir, then run the same command again"
+            ) from None
+        finally:
+            tmp.unlink(missing_ok=True)
         return True
 
     def read_holder(self) -> dict | None:

@@ -291,6 +291,23 @@ def read_metrics(output_dir: Path) -> list[dict]:
 
 
 @pytest.fixture
+def small_disk(tmp_path):
+    """A 1 MiB tmpfs: a real file system that fills up. Needs the right to mount (root, or
+    CAP_SYS_ADMIN in a container); skipped with the reason where that is refused."""
+    mount_point = tmp_path / "disk"
+    mount_point.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True, text=True
+    )
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
+    try:
+        yield mount_point
+    finally:
+        subprocess.run(["umount", "-l", str(mount_point)], check=True)
+
+
+@pytest.fixture
 def fast_args():
     return list(FAST)
 

@@ -647,23 +647,6 @@ def test_a_diverging_run_resumed_stops_at_once_without_saving(tmp_path):
     assert last(tmp_path)["step"] == before and all_finite(last(tmp_path))
 
 
-@pytest.fixture
-def small_disk(tmp_path):
-    """A 1 MiB tmpfs: a real file system that fills up. Needs the right to mount (root, or
-    CAP_SYS_ADMIN in a container); skipped with the reason where that is refused."""
-    mount_point = tmp_path / "disk"
-    mount_point.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(mount_point)], capture_output=True, text=True
-    )
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip() or mounted.returncode}")
-    try:
-        yield mount_point
-    finally:
-        subprocess.run(["umount", "-l", str(mount_point)], check=True)
-
-
 def contents(path: Path) -> dict[str, bytes]:
     """A checkpoint's bytes: a file's, or each file's in a sharded checkpoint's folder."""
     if path.is_dir():

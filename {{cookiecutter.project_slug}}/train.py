@@ -120,9 +120,11 @@ def main(argv=None) -> None:
         gc.unfreeze()
         if lock is not None:
             lock.release()
-        for loader in loaders:  # their worker processes end before the process group does
-            loader.close()
-        cleanup_distributed()
+        try:
+            for loader in loaders:  # their worker processes end before the process group does
+                loader.close()
+        finally:  # even when a second Ctrl-C lands in the loaders' shutdown
+            cleanup_distributed()
 
 
 def load_train_objs(cfg, env, device, checkpointer: Checkpointer):

@@ -201,6 +201,15 @@ def report_errors(main):
                 prefix = "" if is_main() else f"rank {get_rank()}: "
                 print(f"error: {prefix}{last_line(error)}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
+        except KeyboardInterrupt:  # a second Ctrl-C (the first asks for a stop with a checkpoint)
+            if is_main():
+                print(
+                    "error: stopped at once by a second Ctrl-C; run the same command to continue from the "
+                    "last checkpoint",
+                    file=sys.stderr,
+                    flush=True,
+                )
+            raise SystemExit(130) from None  # as a shell reports a process ended by SIGINT
         except RuntimeError as error:
             if not lost_peer(error):
                 raise

@@ -263,6 +263,26 @@ def test_stop_signal_checkpoints_and_resumes_exactly(tmp_path, uninterrupted, ta
     assert_same_state(uninterrupted, last(out))
 
 
+def test_a_second_ctrl_c_while_the_run_stops_is_one_line(tmp_path):
+    """The first Ctrl-C stops with a checkpoint; a second one during the teardown (the
+    DataLoader workers' shutdown, the save) stops at once, in one line, no traceback."""
+    out = tmp_path / "run"
+    args = [*LONG, f"output_dir={out}", "train.num_workers=2"]
+    process, seen = start_script("train.py", args), []
+    wait_for_line(process, "step 3 ", seen)
+    process.send_signal(signal.SIGINT)
+    wait_for_line(process, "stopped at step", seen)
+    process.send_signal(signal.SIGINT)  # lands in the teardown
+    output = finish(process, seen)
+    assert "Traceback" not in output and "Exception ignored" not in output, output
+    assert process.returncode in (0, 130), output
+    if process.returncode == 130:
+        assert output.splitlines()[-1] == (
+            "error: stopped at once by a second Ctrl-C; run the same command to continue from the last checkpoint"
+        )
+    assert last(out)["step"] >= 3  # the first Ctrl-C's checkpoint
+
+
 # Short training, long evaluation (seconds): 6,000 samples in batches of 2.
 LONG_EVAL = [
     *FAST,

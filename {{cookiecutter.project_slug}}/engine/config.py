@@ -15,7 +15,9 @@ import copy
 import dataclasses
 import difflib
 import inspect
+import math
 import re
+import reprlib
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -106,7 +108,7 @@ class TrainConfig:
             # FSDP fixes which parameters take gradients when it shards the model.
             raise ConfigError("train.freeze_epochs needs train.strategy=ddp; under fsdp, freeze for the whole run")
         if self.ema_decay >= 1:
-            raise ConfigError(f"train.ema_decay must be below 1 (e.g. 0.999), got {self.ema_decay}")
+            raise ConfigError(f"train.ema_decay must be below 1 (e.g. 0.999), got {shown(self.ema_decay)}")
 
 
 def effective_batch(train: TrainConfig, world_size: int) -> int:
@@ -184,13 +186,40 @@ class Config:
 
 def check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
-        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {value!r}")
+        raise ConfigError(f"{key} must be one of {', '.join(choices)}; got {shown(value)}")
 
 
 def check_positive(key: str, value: float, allow_zero: bool = False) -> None:
-    if value < 0 or (value == 0 and not allow_zero):
+    # Asked as "is it in range?", not "is it out of range?": NaN fails every comparison.
+    if not (value > 0 or (allow_zero and value == 0)):
         bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{key} must be {bound}, got {value}")
+        raise ConfigError(f"{key} must be {bound}, got {shown(value)}")
+
+
+class ShortRepr(reprlib.Repr):
+    """repr with every part bounded: a few items and levels of a container, the middle of
+    a long string left out, an integer too long to print by its size."""
+
+    def __init__(self):
+        super().__init__()
+        self.maxlevel = 3
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 4
+        self.maxstring = self.maxother = self.maxlong = 60
+
+    def repr_int(self, value: int, level: int) -> str:
+        if value.bit_length() > 1000:  # repr refuses integers of more than 4300 digits
+            return f"<an integer of {value.bit_length()} bits>"
+        return super().repr_int(value, level)
+
+
+SHOWN_LENGTH = 80
+
+
+def shown(value) -> str:
+    """`value` as config errors show it: its repr cut short. Bounded work too, not just a
+    bounded line: a YAML alias bomb of 300 bytes is a list of 9**9 strings in full."""
+    text = ShortRepr().repr(value)
+    return text if len(text) <= SHOWN_LENGTH else text[: SHOWN_LENGTH - 3] + "..."
 
 
 def load_config(
@@ -205,7 +234,7 @@ def load_config(
     for override in overrides:
         key, sep, raw = override.partition("=")
         if not sep or not key:
-            raise ConfigError(f"override {override!r} is not of the form section.key=value")
+            raise ConfigError(f"override {shown(override)} is not of the form section.key=value")
         set_dotted(values, key.strip(), raw)
     return build(Config, values, prefix="", sections={"data": data, "model": model})
 
@@ -222,24 +251,85 @@ def without_retired_keys(values: dict) -> dict:
 
 
 def read_yaml(path: Path) -> dict:
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise ConfigError(f"config file {str(path)!r} not found (pass --config PATH)") from None
-    except OSError as error:
-        raise ConfigError(f"cannot read config file {str(path)!r}: {error.strerror}") from None
-    try:
-        values = yaml.safe_load(text)
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        problem = getattr(error, "problem", None) or "invalid YAML"
-        raise ConfigError(f"{path}{where}: YAML syntax error: {problem}") from None
+    values = parse_yaml(read_text(path), path)
     if values is None:
         return {}
     if not isinstance(values, dict):
         raise ConfigError(f"{path}: expected a mapping of keys to values at the top level")
     return values
+
+
+def read_text(path: Path) -> str:
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        raise ConfigError(f"config file {str(path)!r} not found (pass --config PATH)") from None
+    except OSError as error:
+        raise ConfigError(f"cannot read config file {str(path)!r}: {error.strerror}") from None
+    try:
+        return data.decode("utf-8")  # not the machine's locale: a config reads the same anywhere
+    except UnicodeDecodeError as error:
+        line = data.count(b"\n", 0, error.start) + 1
+        raise ConfigError(
+            f"config file {str(path)!r} is not UTF-8 text: byte {data[error.start]:#04x} at position "
+            f"{error.start} (line {line}) is not valid there; save the file as UTF-8"
+        ) from None
+
+
+def parse_yaml(text: str, path: Path):
+    try:
+        return load_yaml(text)
+    except RefusedYaml as error:
+        raise ConfigError(f"{path} line {error.problem_mark.line + 1}: {error.problem}") from None
+    except yaml.reader.ReaderError as error:  # a control character, found before any parsing
+        line = text.count("\n", 0, error.position) + 1
+        raise ConfigError(f"{path} line {line}: character U+{error.character:04X} is not allowed in YAML") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        problem = getattr(error, "problem", None) or "invalid YAML"
+        raise ConfigError(f"{path}{where}: YAML syntax error: {problem}") from None
+
+
+def load_yaml(text: str):
+    loader = ConfigLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
+class RefusedYaml(yaml.constructor.ConstructorError):
+    """Valid YAML that a config refuses (not a syntax error)."""
+
+
+class ConfigLoader(yaml.SafeLoader):
+    """yaml.safe_load's reading, stricter where a config needs it."""
+
+    def construct_mapping(self, node, deep=False):
+        # YAML keeps the last of two equal keys without a word: a section written twice
+        # would lose the first one's values.
+        first_lines = {}
+        for key_node, _ in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # merged keys (<<) may be overridden: that is what they are for
+            key = self.construct_object(key_node)
+            first = first_lines.get(key)
+            if first is not None:
+                problem = f"key {shown(key)} is written twice in one section (first on line {first}); keep one"
+                raise RefusedYaml(None, None, problem, key_node.start_mark)
+            first_lines[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep=deep)
+
+    def construct_yaml_int(self, node):
+        try:
+            return super().construct_yaml_int(node)
+        except ValueError:  # more digits than Python converts (4300)
+            problem = f"the number {shown(node.value)} is too long"
+            raise RefusedYaml(None, None, problem, node.start_mark) from None
+
+
+ConfigLoader.add_constructor("tag:yaml.org,2002:int", ConfigLoader.construct_yaml_int)
 
 
 def set_dotted(values: dict, key: str, raw: str) -> None:
@@ -271,7 +361,7 @@ def build(cls: type, values: dict, prefix: str, sections: dict[str, type]):
     for name in values:
         if name not in types:
             key = f"{prefix}{name}"
-            raise ConfigError(f"unknown config key {key!r}{suggestion(key, sections)}")
+            raise ConfigError(f"unknown config key {shown(key)}{suggestion(key, sections)}")
     kwargs = {}
     for name, kind in types.items():
         key = f"{prefix}{name}"
@@ -283,7 +373,14 @@ def build(cls: type, values: dict, prefix: str, sections: dict[str, type]):
 
 
 def convert(key: str, value, kind: type):
-    """`value` as `kind` (bool, int, float or str), or a ConfigError naming the key."""
+    """`value` as `kind` (bool, int, float or str), or a ConfigError naming the key:
+    every value of every section, the task's too, comes through here."""
+    converted = as_kind(key, value, kind)
+    check_sensible(key, converted)
+    return converted
+
+
+def as_kind(key: str, value, kind: type):
     if isinstance(value, CliValue):
         return convert_text(key, str(value), kind)
     if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
@@ -293,7 +390,16 @@ def convert(key: str, value, kind: type):
     if type(value) is kind:
         return value
     got = "null" if value is None else type(value).__name__
-    raise ConfigError(f"{key} must be {kind.__name__}, got {got} {value!r}")
+    raise ConfigError(f"{key} must be {kind.__name__}, got {got} {shown(value)}")
+
+
+def check_sensible(key: str, value) -> None:
+    """No setting means anything at NaN or infinity (and NaN slips through range checks
+    written as `value < 0`), nor at an integer beyond 64 bits (torch refuses those later)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} must be a finite number, got {shown(value)}")
+    if isinstance(value, int) and not -(2**63) <= value < 2**63:
+        raise ConfigError(f"{key} must be between -2**63 and 2**63 - 1, got {shown(value)}")
 
 
 def convert_text(key: str, text: str, kind: type):
@@ -304,7 +410,7 @@ def convert_text(key: str, text: str, kind: type):
             return kind(text)
         return text
     except (KeyError, ValueError):
-        raise ConfigError(f"{key} must be {kind.__name__}, got {text!r}") from None
+        raise ConfigError(f"{key} must be {kind.__name__}, got {shown(text)}") from None
 
 
 def all_keys(cls: type, sections: dict[str, type], prefix: str = "") -> list[str]:

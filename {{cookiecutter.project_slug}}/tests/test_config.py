@@ -5,7 +5,7 @@ import pytest
 import yaml
 
 from conftest import PROJECT, REFERENCE_TASK, machinery_project, project_config, reference_config
-from engine.config import Config, save_config
+from engine.config import Config, check_positive, save_config, shown
 from engine.errors import ConfigError
 
 CONFIG_YAML = REFERENCE_TASK / "config.yaml"
@@ -111,3 +111,145 @@ def test_your_config_yaml_writes_no_default_twice():
         for key, value in values.items() if isinstance(values, dict) else [(None, values)]:
             default = getattr(defaults, section) if key is None else getattr(getattr(defaults, section), key)
             assert value != default, f"{section}.{key} repeats its default {default!r}; delete it from config.yaml"
+
+
+def write(tmp_path, text):
+    path = tmp_path / "c.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_key_written_twice_in_a_section_is_refused(tmp_path):
+    path = write(tmp_path, "train:\n  lr: 0.1\n  lr: 0.2\n")
+    with pytest.raises(
+        ConfigError, match=r"c.yaml line 3: key 'lr' is written twice in one section \(first on line 2\); keep one$"
+    ):
+        reference_config(path)
+
+
+def test_section_written_twice_is_refused(tmp_path):
+    path = write(tmp_path, "train:\n  lr: 0.1\nseed: 1\ntrain:\n  epochs: 2\n")
+    with pytest.raises(
+        ConfigError, match=r"c.yaml line 4: key 'train' is written twice in one section \(first on line 1\)"
+    ):
+        reference_config(path)
+
+
+def test_yaml_merge_keys_still_work(tmp_path):
+    """A key written once beside a merged mapping (`<<`) overrides it: not a duplicate."""
+    cfg = reference_config(write(tmp_path, "train:\n  <<: {lr: 0.1, epochs: 3}\n  lr: 0.3\n"))
+    assert cfg.train.lr == 0.3 and cfg.train.epochs == 3
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.lr=nan", "train.lr must be a finite number, got nan"),
+        ("train.momentum=inf", "train.momentum must be a finite number, got inf"),
+        ("train.weight_decay=nan", "train.weight_decay must be a finite number, got nan"),
+        ("train.grad_clip=nan", "train.grad_clip must be a finite number, got nan"),
+        ("train.warmup_epochs=inf", "train.warmup_epochs must be a finite number, got inf"),
+        ("train.lr=1e400", "train.lr must be a finite number, got inf"),
+        ("dist.timeout_minutes=nan", "dist.timeout_minutes must be a finite number, got nan"),
+        ("dist.bucket_cap_mb=-inf", "dist.bucket_cap_mb must be a finite number, got -inf"),
+        ("model.dropout=nan", "model.dropout must be a finite number, got nan"),  # the task's sections too
+    ],
+)
+def test_non_finite_numbers_are_refused(override, message):
+    with pytest.raises(ConfigError) as error:
+        reference_config(CONFIG_YAML, [override])
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("train:\n  lr: .nan\n", "train.lr must be a finite number, got nan"),
+        (
+            "train:\n  early_stopping_min_delta: .inf\n",
+            "train.early_stopping_min_delta must be a finite number, got inf",
+        ),
+        ("dist:\n  step_timeout_minutes: 1.0e999\n", "dist.step_timeout_minutes must be a finite number, got inf"),
+        ("model:\n  dropout: -.inf\n", "model.dropout must be a finite number, got -inf"),
+    ],
+)
+def test_non_finite_numbers_in_yaml_are_refused(tmp_path, text, message):
+    with pytest.raises(ConfigError) as error:
+        reference_config(write(tmp_path, text))
+    assert str(error.value) == message
+
+
+def test_huge_integers_are_refused(tmp_path):
+    with pytest.raises(
+        ConfigError, match=r"^train.epochs must be between -2\*\*63 and 2\*\*63 - 1, got 1000000000000000000000$"
+    ):
+        reference_config(None, ["train.epochs=1" + "0" * 21])
+    with pytest.raises(
+        ConfigError, match=r"^seed must be between -2\*\*63 and 2\*\*63 - 1, got <an integer of 20000 bits>$"
+    ):
+        reference_config(write(tmp_path, f"seed: 0x{'f' * 5000}\n"))
+    with pytest.raises(ConfigError, match=r"c.yaml line 2: the number '1111.*' is too long"):
+        reference_config(write(tmp_path, f"train:\n  epochs: {'1' * 5000}\n"))
+
+
+@pytest.mark.parametrize("allow_zero", [False, True])
+def test_check_positive_is_not_fooled_by_nan(allow_zero):
+    with pytest.raises(ConfigError, match="x must be"):
+        check_positive("x", float("nan"), allow_zero=allow_zero)
+
+
+def test_alias_bomb_gives_a_short_message(tmp_path):
+    """A "billion laughs" document: 320 bytes, 9**9 strings if printed in full."""
+    levels = ['&a ["x","x","x","x","x","x","x","x","x"]']
+    for previous, name in zip("abcdefgh", "bcdefghi", strict=True):
+        levels.append(f"&{name} [{','.join(['*' + previous] * 9)}]")
+    path = write(tmp_path, "train: {lr: [" + ", ".join(levels) + "]}\n")
+    with pytest.raises(ConfigError) as error:
+        reference_config(path)
+    message = str(error.value)
+    assert message.startswith("train.lr must be float, got list [['x', 'x',") and len(message) < 150
+
+
+def test_long_values_are_cut_short_in_messages():
+    with pytest.raises(ConfigError) as error:
+        reference_config(None, ["data.name=" + "x" * 1_000_000])  # check_choice, from the task's section
+    message = str(error.value)
+    assert (
+        message.startswith("data.name must be one of synthetic, imagefolder, cifar10; got 'xxx") and len(message) < 150
+    )
+    assert len(shown("y" * 10_000)) <= 80 and shown([1, [2, [3, [4, [5]]]]]).startswith("[1, [2, [")
+
+
+def test_config_that_is_not_utf8_names_the_byte(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"seed: 1\ntrain:\n  lr: 0.1  # caf\xe9\n")
+    with pytest.raises(
+        ConfigError,
+        match=r"^config file '.*c.yaml' is not UTF-8 text: byte 0xe9 at position 31 \(line 3\) is not valid",
+    ):
+        reference_config(path)
+
+
+def test_control_character_in_config_names_its_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_bytes(b"seed: 1\ntrain:\n  lr: 0.1\x00\n")
+    with pytest.raises(ConfigError, match=r"c.yaml line 3: character U\+0000 is not allowed in YAML$"):
+        reference_config(path)
+
+
+@pytest.mark.parametrize(
+    "config, args, message",
+    [
+        (None, ["train.lr=nan"], "error: train.lr must be a finite number, got nan"),
+        ("train:\n  lr: 0.1\n  lr: 0.2\n", [], "error: bad.yaml line 3: key 'lr' is written twice in one section"),
+        (b"train:\n  lr: 0.1 \xff\n", [], "error: config file 'bad.yaml' is not UTF-8 text: byte 0xff at position 17"),
+    ],
+)
+def test_bad_config_stops_train_py_with_one_line(config, args, message):
+    project = machinery_project()
+    if config is not None:
+        path = project / "bad.yaml"
+        path.write_bytes(config if isinstance(config, bytes) else config.encode())
+        args = ["--config", "bad.yaml", *args]
+    run = subprocess.run([sys.executable, "train.py", *args], cwd=project, capture_output=True, text=True)
+    assert run.returncode == 2 and run.stderr.startswith(message) and run.stderr.count("\n") == 1, run.stderr

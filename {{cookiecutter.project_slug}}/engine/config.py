@@ -26,6 +26,7 @@ from typing import Any
 import yaml
 
 from engine.errors import ConfigError
+from engine.files import write_text_whole
 
 
 @dataclass
@@ -471,5 +472,4 @@ def format_config(cfg: Config) -> str:
 
 
 def save_config(cfg: Config, path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(format_config(cfg))
+    write_text_whole(path, format_config(cfg))

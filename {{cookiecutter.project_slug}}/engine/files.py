@@ -1,4 +1,7 @@
-"""Appending to the run's JSON-lines files without ever leaving a torn line.
+"""Writing the run's small files (the resolved config, metrics.jsonl) without ever
+leaving a torn one, and naming the file when the disk refuses.
+
+A file is replaced whole: written beside its name, then renamed over it.
 
 A row is appended with one write; if that fails part-way (a full disk, a file-size
 limit), the file is cut back to where it ended, so it always holds whole rows. A row
@@ -30,6 +33,18 @@ def append_json_line(path: Path, row: dict) -> None:
             raise not_written(path, error) from None
     finally:
         os.close(fd)
+
+
+def write_text_whole(path: Path, text: str) -> None:
+    """Replace `path` with `text`: the old file or the new one, never a torn one."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError as error:
+        tmp.unlink(missing_ok=True)
+        raise not_written(path, error) from None
 
 
 def not_written(path: Path, error: OSError) -> UsageError:
@@ -64,13 +79,10 @@ def rewind_json_lines(path: Path, keep, set_aside: Path) -> int:
     moved = [json.dumps(row) for row in rows if not keep(row)] + bad
     if not moved:
         return 0
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
         with set_aside.open("a") as f:  # first: a failure here leaves the original intact
             f.write("".join(line + "\n" for line in moved))
-        tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
-        os.replace(tmp, path)
     except OSError as error:
-        tmp.unlink(missing_ok=True)
-        raise not_written(Path(error.filename or path), error) from None
+        raise not_written(set_aside, error) from None
+    write_text_whole(path, "".join(json.dumps(row) + "\n" for row in kept))
     return len(moved)

@@ -201,6 +201,14 @@ def report_errors(main):
                 prefix = "" if is_main() else f"rank {get_rank()}: "
                 print(f"error: {prefix}{last_line(error)}", file=sys.stderr, flush=True)
             raise SystemExit(2) from None
+        except MemoryError:  # host memory: the data, the batch or the model is larger than this machine holds
+            print(
+                f"error: {'' if is_main() else f'rank {get_rank()}: '}out of host memory; use smaller data, "
+                "batches (train.batch_size) or model, fewer DataLoader workers, or a machine with more memory",
+                file=sys.stderr,
+                flush=True,
+            )
+            raise SystemExit(1) from None
         except KeyboardInterrupt:  # a second Ctrl-C (the first asks for a stop with a checkpoint)
             if is_main():
                 print(

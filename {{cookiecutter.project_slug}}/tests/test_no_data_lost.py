@@ -8,9 +8,10 @@ import subprocess
 
 import pytest
 
-from conftest import FAST, read_metrics, run_script
+from conftest import FAST, finish, read_metrics, run_script, start_script, wait_for_line
 from engine.errors import UsageError
 from engine.files import append_json_line
+from engine.logs import report_errors
 from engine.run_lock import RunLock
 
 TWO_EPOCHS = [*FAST, "data.train_size=256", "train.epochs=2"]
@@ -36,23 +37,25 @@ def one_error_line(result) -> str:
 
 def test_a_full_disk_during_a_metrics_row_leaves_whole_rows_and_the_next_run_writes_each_epoch_once(small_disk):
     out = small_disk / "run"
-    run_script("train.py", [*FAST, "data.train_size=256", "train.epochs=1", f"output_dir={out}"], nproc=2)
+    args = [*FAST, "data.train_size=4096", "train.log_every_steps=1", f"output_dir={out}"]
+    run_script("train.py", [*args, "train.epochs=1"])
     metrics = out / "metrics.jsonl"
-    # Rows up to a few bytes short of a page: the next row needs a block the disk no longer has.
+    # Rows up to a few bytes short of a page: the next row needs a block the disk will not have.
     rows = metrics.read_text()
     padding = {"step": 0, "note": ""}
     padding["note"] = "x" * (4096 - 10 - len(rows) - len(json.dumps(padding)) - 1)
     metrics.write_text(rows + json.dumps(padding) + "\n")
     before = metrics.read_bytes()
-    fill(small_disk, leave_pages=1)  # the run lock's: the disk fills up during the run
 
-    result = run_script("train.py", [*TWO_EPOCHS, f"output_dir={out}"], nproc=2, check=False)
-    line = one_error_line(result)
-    assert f"cannot write '{metrics}': No space left on device" in line, line
+    process, seen = start_script("train.py", [*args, "train.epochs=2"]), []
+    wait_for_line(process, "epoch 1 step 258 ", seen)
+    fill(small_disk)  # the disk fills up while epoch 1 trains
+    output = finish(process, seen)
+    assert process.returncode == 2 and f"error: cannot write '{metrics}': No space left on device" in output, output
     assert metrics.read_bytes() == before  # no torn row
 
     (small_disk / "filler").unlink()
-    run_script("train.py", [*TWO_EPOCHS, f"output_dir={out}"], nproc=2)
+    run_script("train.py", [*args, "train.epochs=2"])
     assert [row["epoch"] for row in read_metrics(out) if "epoch" in row] == [0, 1]
 
 
@@ -122,3 +125,22 @@ def test_export_to_a_place_it_cannot_write_is_one_line(checkpoint, small_disk, p
     result = run_script("export.py", ["--checkpoint", checkpoint, "--out", out], check=False)
     assert one_error_line(result).startswith(f"error: cannot write '{out}': {reason}; choose an --out"), result.stderr
     assert not out.exists() and not [p for p in small_disk.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_a_full_disk_at_start_names_the_file_it_could_not_write(small_disk):
+    out = small_disk / "run"
+    fill(small_disk, leave_pages=1)  # the run lock's
+    result = run_script("train.py", [*FAST, f"output_dir={out}"], nproc=2, check=False)
+    assert one_error_line(result).startswith(f"error: cannot write '{out / 'config.yaml'}': No space left on device")
+    assert not (out / "run.lock").exists()  # released: the same command works once there is room
+
+
+def test_out_of_memory_is_one_line(capsys):
+    @report_errors
+    def main():
+        raise MemoryError
+
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    assert stopped.value.code == 1
+    assert capsys.readouterr().err.startswith("error: out of host memory; use smaller data")

@@ -99,6 +99,7 @@ class TrainConfig:
         )
         for key in zero_ok:
             check_positive(f"train.{key}", getattr(self, key), allow_zero=True)
+        check_at_most("train.warmup_epochs", self.warmup_epochs, MAX_EPOCHS)
         check_choice("train.optimizer", self.optimizer, ("sgd", "adamw"))
         check_choice("train.schedule", self.schedule, ("cosine", "step", "constant"))
         check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
@@ -147,8 +148,9 @@ class DistConfig:
 
     def __post_init__(self):
         check_choice("dist.backend", self.backend, ("auto", "nccl", "gloo"))
-        check_positive("dist.timeout_minutes", self.timeout_minutes)
-        check_positive("dist.step_timeout_minutes", self.step_timeout_minutes)
+        for key in ("timeout_minutes", "step_timeout_minutes"):
+            check_positive(f"dist.{key}", getattr(self, key))
+            check_at_most(f"dist.{key}", getattr(self, key), MAX_MINUTES)
         check_positive("dist.flight_recorder_entries", self.flight_recorder_entries, allow_zero=True)
         check_positive("dist.bucket_cap_mb", self.bucket_cap_mb)
 
@@ -195,6 +197,16 @@ def check_positive(key: str, value: float, allow_zero: bool = False) -> None:
     if not (value > 0 or (allow_zero and value == 0)):
         bound = ">= 0" if allow_zero else "> 0"
         raise ConfigError(f"{key} must be {bound}, got {shown(value)}")
+
+
+# Beyond any real run, and within what timedelta and the step counts can hold.
+MAX_MINUTES = 10**6  # about two years
+MAX_EPOCHS = 10**6
+
+
+def check_at_most(key: str, value: float, limit: float) -> None:
+    if value > limit:
+        raise ConfigError(f"{key} must be at most {limit:g}, got {shown(value)}")
 
 
 class ShortRepr(reprlib.Repr):

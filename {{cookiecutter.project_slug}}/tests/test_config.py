@@ -144,6 +144,20 @@ def test_yaml_merge_keys_still_work(tmp_path):
 @pytest.mark.parametrize(
     "override, message",
     [
+        ("dist.timeout_minutes=1e300", "dist.timeout_minutes must be at most 1e+06, got 1e+300"),
+        ("dist.step_timeout_minutes=1e7", "dist.step_timeout_minutes must be at most 1e+06, got 10000000.0"),
+        ("train.warmup_epochs=1e307", "train.warmup_epochs must be at most 1e+06, got 1e+307"),
+    ],
+)
+def test_finite_numbers_too_large_to_mean_anything_are_refused(override, message):
+    with pytest.raises(ConfigError) as error:
+        reference_config(CONFIG_YAML, [override])
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
         ("train.lr=nan", "train.lr must be a finite number, got nan"),
         ("train.momentum=inf", "train.momentum must be a finite number, got inf"),
         ("train.weight_decay=nan", "train.weight_decay must be a finite number, got nan"),

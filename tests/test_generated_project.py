@@ -25,6 +25,7 @@ SUITE_PARTS = {
         "test_task_interface.py",
         "test_launch.py",
         "test_entry_points.py",
+        "test_launcher.py",
     ],
     "daily loop and units": [
         "test_trackers.py",

@@ -16,6 +16,7 @@ from tqdm import tqdm
 from engine.distributed import PeerFailed, flight_recorder_file, get_rank, is_main, lost_peer
 from engine.errors import UsageError
 from engine.files import append_json_line, rewind_json_lines
+from engine.launch import hand_to_launcher
 from engine.trackers import open_trackers, tracker_runs
 
 
@@ -186,6 +187,13 @@ def epoch_scalars(metrics: dict) -> dict:
     return scalars
 
 
+def say_last(line: str, exit_code: int) -> None:
+    """A process's last word: on stderr, and in the error file torchrun gives it, where
+    torchrun's failure summary and `python -m engine.launch` find it."""
+    print(line, file=sys.stderr, flush=True)
+    hand_to_launcher(line, exit_code)
+
+
 def report_errors(main):
     """Turn expected failures into one line on rank 0 instead of a traceback per rank:
     bad input (UsageError: config, data, checkpoint) exits 2; a lost peer process exits 1."""
@@ -199,23 +207,21 @@ def report_errors(main):
             # rank only is shown by that rank; PeerFailed ranks stay quiet.
             if not isinstance(error, PeerFailed) and (is_main() or getattr(error, "local", False)):
                 prefix = "" if is_main() else f"rank {get_rank()}: "
-                print(f"error: {prefix}{last_line(error)}", file=sys.stderr, flush=True)
+                say_last(f"error: {prefix}{last_line(error)}", 2)
             raise SystemExit(2) from None
         except MemoryError:  # host memory: the data, the batch or the model is larger than this machine holds
-            print(
+            say_last(
                 f"error: {'' if is_main() else f'rank {get_rank()}: '}out of host memory; use smaller data, "
                 "batches (train.batch_size) or model, fewer DataLoader workers, or a machine with more memory",
-                file=sys.stderr,
-                flush=True,
+                1,
             )
             raise SystemExit(1) from None
         except KeyboardInterrupt:  # a second Ctrl-C (the first asks for a stop with a checkpoint)
             if is_main():
-                print(
+                say_last(
                     "error: stopped at once by a second Ctrl-C; run the same command to continue from the "
                     "last checkpoint",
-                    file=sys.stderr,
-                    flush=True,
+                    130,
                 )
             raise SystemExit(130) from None  # as a shell reports a process ended by SIGINT
         except RuntimeError as error:
@@ -224,12 +230,11 @@ def report_errors(main):
             # Every survivor says it: rank 0 may be the process that died.
             trace = flight_recorder_file()  # written as the process group was left
             history = f" Its last collectives: {trace}." if trace and trace.exists() else ""
-            print(
+            say_last(
                 f"rank {get_rank()} stopped: lost contact with another process: it crashed, was killed, "
                 "or hung longer than dist.step_timeout_minutes (dist.timeout_minutes before the first step); "
                 f"see its output.{history} {last_line(error)}",
-                file=sys.stderr,
-                flush=True,
+                1,
             )
             raise SystemExit(1) from None
 

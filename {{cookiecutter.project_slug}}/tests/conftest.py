@@ -115,7 +115,8 @@ def command(script, args, nproc=None, torchrun_args=()):
 def clean_env(extra=None) -> dict:
     """This environment without launcher variables (the tests may run under torchrun)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "SLURM_PROCID", "SLURM_STEP_ID"):
+    launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE")
+    for key in (*launcher, "SLURM_PROCID", "SLURM_STEP_ID"):
         env.pop(key, None)
     return {**env, **(extra or {})}
 

@@ -163,7 +163,9 @@ def test_bad_config_is_one_line_and_exit_code_2(tmp_path):
 def test_bad_config_under_torchrun_is_reported_once(tmp_path):
     result = run_script("train.py", ["train.batch_size=0"], nproc=2, check=False, real_launcher=True)
     assert result.returncode != 0
-    assert result.stderr.count("error: train.batch_size must be > 0, got 0") == 1
+    lines = result.stderr.splitlines()
+    assert lines.count("error: train.batch_size must be > 0, got 0") == 1  # from rank 0 alone
+    assert "traceback : error: train.batch_size must be > 0, got 0" in [line.strip() for line in lines]  # summary
 
 
 @pytest.mark.parametrize(

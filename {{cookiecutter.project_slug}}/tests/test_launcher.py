@@ -1,0 +1,107 @@
+"""python -m engine.launch: torchrun, ending with the run's own line and exit code.
+
+Two real launches (bad input, Ctrl-C); how the launcher picks the failure to show is
+tested on error files written here, as torchrun's processes write them.
+"""
+
+import json
+import signal
+import subprocess
+import sys
+import time
+
+from torch.distributed.elastic.multiprocessing import ProcessFailure
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+from conftest import FAST, children, clean_env, finish, machinery_project, wait_for_line
+from engine.launch import exit_code, failure_line, likely_cause, write_last_word
+from engine.run_lock import pid_alive
+
+
+def start_launcher(args: list) -> subprocess.Popen:
+    """`python -m engine.launch` on 2 processes, stdout and stderr in one stream as on a terminal."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "engine.launch", "--standalone", "--nproc_per_node=2", "train.py", *map(str, args)],
+        cwd=machinery_project(),
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        bufsize=1,
+    )
+
+
+def test_bad_input_on_two_processes_ends_with_the_projects_line_and_exit_code_2(tmp_path):
+    process = start_launcher([*FAST, "train.lr=-1", f"output_dir={tmp_path / 'run'}"])
+    output = finish(process, [])
+    assert process.returncode == 2, output
+    assert output.splitlines()[-1] == "error: train.lr must be > 0, got -1.0", output
+    assert "Traceback" not in output and "FAILED" not in output, output
+
+
+def test_ctrl_c_stops_every_process_with_a_checkpoint_then_one_line_and_exit_code_130(tmp_path):
+    args = [*FAST, "data.train_size=8192", "train.log_every_steps=1", "train.stop_at_step=300"]
+    process, seen = start_launcher([*args, f"output_dir={tmp_path / 'run'}"]), []
+    wait_for_line(process, "step 3 ", seen)
+    ranks = children(process.pid)
+    assert len(ranks) == 2, seen
+    process.send_signal(signal.SIGINT)  # what Ctrl-C sends: torchrun's ranks have process groups of their own
+    output = finish(process, seen)
+    assert process.returncode == 130, output
+    assert "Traceback" not in output, output
+    assert "stopped at step" in output  # rank 0's checkpoint, as without a launcher
+    assert output.splitlines()[-1] == (
+        "stopped by SIGINT: torchrun passed it on to every process, and all have ended (their last lines say how)"
+    )
+    assert not [pid for pid in ranks if pid_alive(pid)]
+
+
+# -- which failure the launcher shows -----------------------------------------------------------
+
+
+def failure(tmp_path, rank: int, exitcode: int, word=None, exception=None) -> ProcessFailure:
+    """A process's failure as torchrun reads it: the error file its process left, if any
+    (`word`: its one line and exit code; `exception`: @record's record of a crash)."""
+    error_file = tmp_path / f"error_{rank}.json"
+    if word is not None:
+        line, code = word
+        write_last_word(str(error_file), line, code)
+    elif exception is not None:
+        extra = {"py_callstack": f"Traceback ...\n{exception}", "timestamp": str(int(time.time()))}
+        message = {"message": exception, "extraInfo": extra}
+        error_file.write_text(json.dumps({"message": message}))
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(error_file))
+
+
+def shown(failures: dict[int, ProcessFailure]) -> tuple[str, int]:
+    rank, cause = likely_cause(failures)
+    return failure_line(rank, cause), exit_code(cause)
+
+
+BAD_LR = ("error: train.lr must be > 0, got -1.0", 2)
+LOST = ("rank 0 stopped: lost contact with another process: it crashed, was killed, ...", 1)
+
+
+def test_the_line_of_a_process_torchrun_ended_while_it_exited_keeps_its_exit_code(tmp_path):
+    """torchrun sends SIGTERM to the rest as soon as one process exits: rank 0, slower to
+    leave after saying why, may die of it; the quiet rank 1 exited first."""
+    failures = {0: failure(tmp_path, 0, -signal.SIGTERM, word=BAD_LR), 1: failure(tmp_path, 1, 2)}
+    assert shown(failures) == BAD_LR
+
+
+def test_a_killed_process_is_blamed_rather_than_the_ones_that_lost_contact_with_it(tmp_path):
+    failures = {0: failure(tmp_path, 0, 1, word=LOST), 1: failure(tmp_path, 1, -signal.SIGKILL)}
+    killed = "error: rank 1 (pid 1001) was killed by SIGKILL (the out-of-memory killer, or kill -9)"
+    assert shown(failures) == (killed, 137)
+
+
+def test_a_crash_is_blamed_rather_than_the_ones_that_lost_contact_with_it(tmp_path):
+    crash = "RuntimeError: Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback\nRuntimeError: boom"
+    failures = {0: failure(tmp_path, 0, 1, word=LOST), 1: failure(tmp_path, 1, 1, exception=crash)}
+    line, code = shown(failures)
+    assert line.startswith("error: rank 1 failed: RuntimeError: boom (traceback above and in ") and code == 1
+
+
+def test_torchruns_own_summary_shows_the_line_a_process_left(tmp_path):
+    summary = str(ChildFailedError("train.py", {0: failure(tmp_path, 0, 2, word=BAD_LR)}))
+    assert f"traceback : {BAD_LR[0]}\n" in summary

@@ -26,17 +26,27 @@ taken for checkpoints, and the next save removes them.
 A checkpoint holds plain data only (tensors, numbers, strings, lists, dicts), so it loads
 with `torch.load(weights_only=True)`, which refuses to run code hidden in a pickle; a
 folder's .metadata is read by an unpickler that allows DCP's metadata classes only.
+
+Every load, whatever the entry point (resume, init_from, evaluate.py, export.py), goes
+through `load_checkpoint`, which checks what the checkpoint holds (`check_contents`): a
+file that is not a checkpoint of this project, or one of a newer format, is refused in
+one line before anything uses it.
 """
 
 import dataclasses
 import math
 import os
+import pickle
+import pickletools
 import re
 import shutil
 import tempfile
+import warnings
+import zipfile
 from pathlib import Path
 
 import torch
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from engine.config import Config, effective_batch
@@ -49,11 +59,15 @@ from engine.optim import scaled_lr
 from engine.seeding import capture_rng_state, restore_rng_state
 from engine.sharded import (
     METADATA_FILE,
+    UnusableCheckpoint,
     load_full,
     load_sharded,
     model_shapes,
     read_metadata,
+    refused_global,
     save_sharded,
+    torch_lacks,
+    written_by_newer_torch,
 )
 
 # step-00001234.pt, step-00001234.dcp, and a folder saved again at its step, step-00001234.1.dcp
@@ -61,6 +75,26 @@ STEP_FILE = re.compile(r"^step-(\d+)(?:\.(\d+))?\.(pt|dcp)$")
 RUN_STATE = "run_state.pt"  # in a sharded checkpoint: all but the model and optimizer
 LINKS = ("last.pt", "best.pt")
 PREFIXES = ("module.", "_orig_mod.")  # added by DDP and torch.compile wrappers
+
+# Written in every checkpoint as "format_version"; raise it when what a checkpoint holds,
+# or what it means, changes, so that an older engine refuses a newer checkpoint in one line
+# instead of misreading it. A checkpoint without it was written in format 1.
+CHECKPOINT_FORMAT = 1
+# What every checkpoint of this project holds, and of which type ("model", a dict of
+# tensors, too); a sharded folder's run_state.pt holds all but "model" and "optimizer",
+# which its .metadata lists.
+RUN_STATE_TYPES = {
+    "step": int,
+    "epoch": int,
+    "batches_done": int,
+    "config": dict,
+    "world_size": int,
+    "rng": list,
+    "scheduler": dict,
+    "scaler": dict,
+}
+ZIP_HEAD = b"PK\x03\x04"  # torch.save's files are zip archives
+LEGACY_HEAD = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[:-1]  # torch.save's files before zip
 
 
 def checkpoint_dir(output_dir: str | Path) -> Path:
@@ -110,8 +144,9 @@ def atomic_write(directory: Path, name: str, write) -> None:
 
 
 class WriteErrors:
-    """A file that keeps the first OSError of its writes: torch.save reports a failed
-    write (a full disk) only as "unexpected pos N vs M"."""
+    """A file that keeps the first error of its writes: torch.save reports a failed write
+    (a full disk) only as "unexpected pos N vs M", and turns a Ctrl-C that lands in a
+    write into the same RuntimeError, which would then blame the disk."""
 
     def __init__(self, file):
         self.file, self.error = file, None
@@ -119,7 +154,7 @@ class WriteErrors:
     def write(self, data) -> int:
         try:
             return self.file.write(data)
-        except OSError as error:
+        except BaseException as error:  # OSError, or KeyboardInterrupt from a second Ctrl-C
             self.error = self.error or error
             raise
 
@@ -209,24 +244,83 @@ def publish_link(folder: Path, target: Path) -> None:
 
 
 def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
-    """Read a checkpoint onto the CPU, refusing anything but plain data. A sharded one
-    (a folder) is read whole by this process, unless `tensors` is False: then without
-    "model" and "optimizer", which `load_sharded` reads shard by shard."""
+    """Read a checkpoint of this project onto the CPU, refusing anything but plain data
+    and anything else than such a checkpoint. A sharded one (a folder) is read whole by
+    this process, unless `tensors` is False: then without "model" and "optimizer", which
+    `load_sharded` reads shard by shard."""
     path = Path(path)
     if path.is_dir():
         return load_sharded_checkpoint(path, tensors)
     state = load_plain(path)
-    if "model" not in state:
-        raise CheckpointError(f"checkpoint {str(path)!r} is not a checkpoint of this project")
+    check_contents(path, state, tensors_inside=True)
     return state
 
 
 def load_sharded_checkpoint(path: Path, tensors: bool) -> dict:
-    read_metadata(path / METADATA_FILE)  # refuses a hostile or torn folder before anything else is read
+    if not any((path / name).exists() for name in (METADATA_FILE, RUN_STATE)):
+        raise not_ours(path, "a folder without .metadata or run_state.pt")
+    metadata = read_metadata(path / METADATA_FILE)  # refuses a hostile or torn folder before anything else is read
+    if not (path / RUN_STATE).is_file():
+        raise UnusableCheckpoint(f"checkpoint {str(path)!r} is incomplete: it has no {RUN_STATE}")
     state = load_plain(path / RUN_STATE)
-    if "step" not in state:
-        raise CheckpointError(f"checkpoint {str(path)!r} is not a checkpoint of this project")
+    check_contents(path, state, tensors_inside=False)
+    check_sharded_weights(path, metadata)
     return {**state, **load_full(path)} if tensors else state
+
+
+def check_contents(path: Path, state: dict, tensors_inside: bool) -> None:
+    """The one check of what a checkpoint holds, before anything uses it: a format this
+    engine reads, and this project's keys with their types (with `tensors_inside`, a
+    file's "model" and "optimizer" too)."""
+    version = state.get("format_version", 1)
+    if type(version) is not int or version < 1:
+        raise not_ours(path, f"'format_version' is {version!r}")
+    if version > CHECKPOINT_FORMAT:
+        raise UnusableCheckpoint(
+            f"checkpoint {str(path)!r} was written by a newer version of this project (format {version}; "
+            f"this one reads up to {CHECKPOINT_FORMAT})",
+            "use that version",
+        )
+    expected = {**RUN_STATE_TYPES, **({"optimizer": dict} if tensors_inside else {})}
+    for key, kind in expected.items():
+        if key not in state:
+            raise not_ours(path, f"no {key!r}")
+        if not isinstance(state[key], kind) or isinstance(state[key], bool):
+            raise not_ours(path, f"{key!r} is {a(type(state[key]))}, not {a(kind)}")
+    if tensors_inside:
+        if "model" not in state:
+            raise not_ours(path, "no 'model'")
+        for key in ("model", EMA_KEY):
+            check_weights(path, key, state.get(key, {}))
+
+
+def check_weights(path: Path, key: str, weights) -> None:
+    if not isinstance(weights, dict):
+        raise not_ours(path, f"{key!r} is {a(type(weights))}, not a dict of tensors")
+    for name, value in weights.items():
+        if not isinstance(value, torch.Tensor):
+            raise not_ours(path, f"{key!r} holds {name!r}: {a(type(value))}, not a tensor")
+
+
+def check_sharded_weights(path: Path, metadata: Metadata) -> None:
+    """A sharded folder's model weights, as its metadata lists them: there, and tensors."""
+    weights = {key: value for key, value in metadata.state_dict_metadata.items() if key.startswith("model.")}
+    if not weights:
+        raise not_ours(path, "no 'model' in its .metadata")
+    for key, value in weights.items():
+        if not isinstance(value, TensorStorageMetadata):
+            raise not_ours(path, f"'model' holds {key.removeprefix('model.')!r}: not a tensor")
+
+
+def a(kind: type) -> str:
+    """'a list', 'an int'."""
+    return f"{'an' if kind.__name__[0] in 'aeiouAEIOU' else 'a'} {kind.__name__}"
+
+
+def not_ours(path: Path, detail: str) -> UnusableCheckpoint:
+    return UnusableCheckpoint(
+        f"checkpoint {str(path)!r} is not a checkpoint of this project ({detail})", "use one that train.py wrote"
+    )
 
 
 def load_model_state(path: str | Path) -> dict:
@@ -240,19 +334,83 @@ def load_model_state(path: str | Path) -> dict:
 
 
 def load_plain(path: Path) -> dict:
-    """A torch.save file of plain data, onto the CPU."""
+    """A torch.save file of a dict of plain data, onto the CPU."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} not found")
     try:
-        # map_location="cpu": every rank would otherwise load onto the device the
-        # tensors were saved from (GPU 0), piling N copies there.
-        state = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as error:
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded: {reason}") from None
+        with warnings.catch_warnings():
+            # A pickle torch.save did not write makes torch warn; the error below says what it is.
+            warnings.filterwarnings("ignore", "Detected pickle protocol")
+            # map_location="cpu": every rank would otherwise load onto the device the
+            # tensors were saved from (GPU 0), piling N copies there.
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as error:  # noqa: BLE001  torch's words for any of them are unclear
+        raise unreadable(path, error) from None
     if not isinstance(state, dict):
-        raise CheckpointError(f"checkpoint {str(path)!r} is not a checkpoint of this project")
+        raise not_ours(path, f"it holds {a(type(state))}, not a dict")
     return state
+
+
+def unreadable(path: Path, error: Exception) -> CheckpointError:
+    """Why torch.load failed, in this project's words: torch's suggest weights_only=False
+    for a hostile file, or say "list index out of range" for a file of something else."""
+    refused = "Weights only load failed" in str(error)
+    try:
+        kind = file_kind(path)
+        name = refused_global(error) or (first_global(path) if kind == NOT_TORCH else None)
+    except OSError as failure:
+        return CheckpointError(f"checkpoint {str(path)!r} cannot be read: {failure.strerror or failure}")
+    if name and torch_lacks(name):
+        return written_by_newer_torch(path, name)
+    if name or (refused and kind == TORN):
+        shown = f" ({name})" if name else ""
+        what = f"code or objects other than plain data{shown}"
+        return UnusableCheckpoint(f"checkpoint {str(path)!r} holds {what}", "refused")
+    if kind == TORN:
+        return UnusableCheckpoint(f"checkpoint {str(path)!r} is truncated or corrupt")
+    return not_ours(path, kind)
+
+
+TORN = "written by torch.save, then cut short or damaged"
+NOT_TORCH = "not a file torch.save writes"
+
+
+def file_kind(path: Path) -> str:
+    """TORN, NOT_TORCH or what else the file is, from its first bytes (and a zip's list
+    of contents): torch.save writes zip archives (before torch 1.6, a pickle after a magic number)."""
+    with path.open("rb") as f:
+        head = f.read(len(LEGACY_HEAD))
+    if not head:
+        return "an empty file"
+    if head.startswith(ZIP_HEAD):
+        try:
+            with zipfile.ZipFile(path) as archive:
+                names = archive.namelist()
+        except zipfile.BadZipFile:  # the list of its contents, at its end, is missing
+            return TORN
+        return TORN if any(name.endswith("/data.pkl") for name in names) else "a zip archive torch.save did not write"
+    return TORN if head == LEGACY_HEAD else NOT_TORCH
+
+
+def first_global(path: Path) -> str | None:
+    """The first function or class a plain pickle names ('posix.system'), found without
+    running it (pickletools only decodes); None for a file that is no pickle."""
+    strings: list[str] = []
+    try:
+        with path.open("rb") as f:
+            if f.read(1) != pickle.PROTO:  # protocol 2 or later: what pickle.dumps writes
+                return None
+            f.seek(0)
+            for opcode, arg, _ in pickletools.genops(f):
+                if opcode.name == "GLOBAL":
+                    return arg.replace(" ", ".")
+                if opcode.name == "STACK_GLOBAL" and len(strings) == 2:
+                    return ".".join(strings)
+                if isinstance(arg, str):
+                    strings = [*strings[-1:], arg]
+    except Exception:  # noqa: BLE001  garbage after the first byte, or cut short: nothing named
+        return None
+    return None
 
 
 def strip_prefixes(state_dict: dict) -> dict:
@@ -353,7 +511,12 @@ class Checkpointer:
         state.guard.check(state.scaler)  # never save non-finite weights: stop instead
         is_best = val_metrics is not None and self.is_new_best(state, val_metrics)
         rng_states = gather_objects_on_main(capture_rng_state())  # each rank's, for an exact resume; None off rank 0
-        run = {"config": dataclasses.asdict(self.cfg), "world_size": self.env.world_size, "rng": rng_states}
+        run = {
+            "format_version": CHECKPOINT_FORMAT,
+            "config": dataclasses.asdict(self.cfg),
+            "world_size": self.env.world_size,
+            "rng": rng_states,
+        }
         keep_last = self.cfg.checkpoint.keep_last
         try:
             if self.cfg.train.strategy == "fsdp":  # folders on any number of processes: one kind per run
@@ -498,8 +661,12 @@ class Checkpointer:
 def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
     """The checkpoint to continue from (checkpoint.resume: auto, none or a path).
 
-    auto takes last.pt in output_dir; if it is unreadable (a truncated copy, a full disk),
-    it says so and falls back to the newest readable step checkpoint.
+    auto takes last.pt in output_dir. If it cannot be used (a truncated copy, a full
+    disk), it says so and takes the newest step checkpoint that can. A last.pt that
+    train.py did not leave (a link elsewhere, or older than a step checkpoint beside it:
+    replaced by hand, or left by a run that went back to an older checkpoint) is refused:
+    continuing from it would overwrite and prune the newer checkpoints. Every rank must
+    call this: each reads the same files alike.
     """
     if cfg.checkpoint.resume == "none":
         return None
@@ -507,15 +674,65 @@ def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
         path = Path(cfg.checkpoint.resume)
         return path, load_checkpoint(path, tensors=False)
     directory = checkpoint_dir(cfg.output_dir)
-    candidates = [directory / "last.pt", *reversed(step_checkpoints(directory))]
-    candidates = [path for path in candidates if os.path.lexists(path)]  # a broken link: said, not skipped
-    for path in candidates:
-        try:
-            return path, load_checkpoint(path, tensors=False)
-        except CheckpointError as error:
-            if is_main():
-                log(f"warning: {error}; trying an older checkpoint")
-    if candidates:
+    last, steps = directory / "last.pt", list(reversed(step_checkpoints(directory)))
+    if not os.path.lexists(last):  # a broken link is there: said, not skipped
+        return newest_usable(steps, directory)
+    refuse_foreign_link(last)
+    steps = [path for path in steps if not same_file(path, last)]
+    ckpt = usable(last)
+    if ckpt is None:
+        return newest_usable(steps, directory)
+    newer = [path for path in steps if step_and_revision(path)[0] > ckpt["step"]]
+    if newer:
+        raise CheckpointError(
+            f"checkpoint {str(last)!r} is step {ckpt['step']}, but {newer[0].name} beside it is newer; {CONTINUE_HOW}"
+        )
+    return last, ckpt
+
+
+CONTINUE_HOW = "remove it to continue from the newest step checkpoint, or set checkpoint.resume=PATH"
+
+
+def refuse_foreign_link(last: Path) -> None:
+    """last.pt is a hard link to a step file, or a relative link to a step-*.dcp folder
+    beside it: a link to anything else was made by hand, and continuing from it could
+    overwrite the newer checkpoints beside it."""
+    if not last.is_symlink():
+        return
+    target = os.readlink(last)
+    named = STEP_FILE.match(target)
+    if not (named and named.group(3) == "dcp"):  # a name alone: no folder part, not absolute
+        raise CheckpointError(
+            f"checkpoint {str(last)!r} links to {target!r}, not to a step-*.dcp folder beside it; {CONTINUE_HOW}"
+        )
+
+
+def same_file(path: Path, other: Path) -> bool:
+    """Whether two names are one checkpoint (a hard link, or a link to a folder)."""
+    try:
+        return os.path.samefile(path, other)
+    except OSError:  # a broken link
+        return False
+
+
+def usable(path: Path) -> dict | None:
+    """The checkpoint's run state, or None when it cannot be used, which is said."""
+    try:
+        return load_checkpoint(path, tensors=False)
+    except CheckpointError as error:
+        if is_main():
+            log(f"warning: {getattr(error, 'problem', error)}; trying an older checkpoint")
+        return None
+
+
+def newest_usable(paths: list[Path], directory: Path) -> tuple[Path, dict] | None:
+    """The first of `paths` (newest first) that can be used; None if there are no
+    checkpoints at all, an error if none of them can."""
+    for path in paths:
+        ckpt = usable(path)
+        if ckpt is not None:
+            return path, ckpt
+    if paths or os.path.lexists(directory / "last.pt"):
         raise CheckpointError(
             f"no readable checkpoint in {str(directory)!r}; move it away to start over, or set checkpoint.resume=PATH"
         )

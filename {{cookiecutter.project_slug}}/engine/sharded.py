@@ -10,10 +10,12 @@ weights-only unpickler before any planner sees it. Tensors DCP already reads wei
 """
 
 import errno
+import importlib.util
 import io
 import os
 import pickle
 import re
+import sys
 from pathlib import Path
 
 import torch
@@ -58,6 +60,38 @@ METADATA_GLOBALS = {
 TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
 
 
+class UnusableCheckpoint(CheckpointError):
+    """A checkpoint that cannot be used: `problem` says why (what auto-resume warns before
+    it tries an older one), the message adds what to do."""
+
+    def __init__(self, problem: str, remedy: str = "use another checkpoint"):
+        super().__init__(f"{problem}; {remedy}")
+        self.problem = problem
+
+
+def written_by_newer_torch(path: Path, name: str) -> UnusableCheckpoint:
+    lacks = f"it names {name}, which torch {torch.__version__} lacks"
+    return UnusableCheckpoint(
+        f"checkpoint {str(path)!r} was written by a newer torch: {lacks}",
+        "load it with that torch, or re-export it there",
+    )
+
+
+def torch_lacks(name: str) -> bool:
+    """Whether `name` ('torch.x.Y') is torch's but not in this torch: a newer one wrote it.
+    Only torch's own modules are looked at, and none is imported."""
+    module, _, attribute = name.rpartition(".")
+    if module != "torch" and not module.startswith("torch."):
+        return False
+    loaded = sys.modules.get(module)
+    if loaded is not None:
+        return attribute not in vars(loaded)
+    try:
+        return importlib.util.find_spec(module) is None
+    except ImportError:  # a parent package this torch lacks
+        return True
+
+
 class RefusedGlobal(pickle.UnpicklingError):
     """A pickle that names a function or class outside the allowed ones."""
 
@@ -76,20 +110,30 @@ class MetadataUnpickler(pickle.Unpickler):
 
 
 def read_metadata(path: str | Path) -> Metadata:
-    """A DCP metadata file, unpickled safely; CheckpointError (one line) otherwise."""
+    """A DCP metadata file, unpickled safely, whose shard files are all there and whole;
+    CheckpointError (one line) otherwise."""
     path = Path(path)
     try:
         with path.open("rb") as f:
             metadata = MetadataUnpickler(f).load()
     except RefusedGlobal as error:
-        raise CheckpointError(f"checkpoint {str(path)!r} holds code ({error}); refused") from None
+        if torch_lacks(str(error)):
+            raise written_by_newer_torch(path, str(error)) from None
+        raise UnusableCheckpoint(f"checkpoint {str(path)!r} holds code ({error})", "refused") from None
     except FileNotFoundError:
-        raise CheckpointError(f"checkpoint {str(path.parent)!r} is incomplete: it has no {path.name}") from None
-    except Exception as error:  # noqa: BLE001  truncated or garbage: any unpickling error
-        raise CheckpointError(f"checkpoint {str(path)!r} cannot be loaded: {one_line(error)}") from None
-    if not isinstance(metadata, Metadata):
-        raise CheckpointError(f"checkpoint {str(path)!r} is not DCP metadata")
+        raise UnusableCheckpoint(f"checkpoint {str(path.parent)!r} is incomplete: it has no {path.name}") from None
+    except OSError as error:
+        raise CheckpointError(f"checkpoint {str(path)!r} cannot be read: {error.strerror or error}") from None
+    except Exception:  # noqa: BLE001  truncated or garbage: any unpickling error
+        raise UnusableCheckpoint(f"checkpoint {str(path)!r} is truncated or corrupt") from None
+    if not (
+        isinstance(metadata, Metadata)
+        and isinstance(metadata.state_dict_metadata, dict)
+        and isinstance(metadata.storage_data or {}, dict)
+    ):
+        raise UnusableCheckpoint(f"checkpoint {str(path)!r} is not DCP metadata")
     check_storage(metadata, path)
+    check_shard_files(metadata, path.parent)
     return metadata
 
 
@@ -103,6 +147,27 @@ def check_storage(metadata: Metadata, path: Path) -> None:
             raise CheckpointError(f"checkpoint {str(path)!r} points outside its folder ({name!r}); refused")
         if getattr(info, "transform_descriptors", None):
             raise CheckpointError(f"checkpoint {str(path)!r} stores transformed data, which this project never writes")
+        if not all(isinstance(getattr(info, key, None), int) for key in ("offset", "length")):
+            raise UnusableCheckpoint(f"checkpoint {str(path)!r} is not DCP metadata")
+
+
+def check_shard_files(metadata: Metadata, folder: Path) -> None:
+    """Every shard file the metadata lists is there and reaches its last item's end: a
+    file cut short or lost (a copy or a disk) is said here, in one line and alike on every
+    rank, before DCP reads it (on several processes a short read can abort the process).
+    One stat per file, whatever the checkpoint's size."""
+    ends: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        ends[info.relative_path] = max(ends.get(info.relative_path, 0), info.offset + info.length)
+    for name, end in sorted(ends.items()):
+        try:
+            size = (folder / name).stat().st_size
+        except FileNotFoundError:
+            raise UnusableCheckpoint(f"checkpoint {str(folder)!r} is incomplete: it has no {name}") from None
+        except OSError as error:
+            raise CheckpointError(f"checkpoint {str(folder / name)!r} cannot be read: {error.strerror}") from None
+        if size < end:
+            raise UnusableCheckpoint(f"checkpoint {str(folder)!r} is truncated: {name} has {size} of its {end} bytes")
 
 
 class SafeReader(FileSystemReader):

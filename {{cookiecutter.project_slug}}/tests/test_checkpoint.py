@@ -2,6 +2,7 @@ import dataclasses
 import os
 import pickle
 import shutil
+import zipfile
 
 import pytest
 import torch
@@ -10,7 +11,9 @@ from conftest import FAST, read_metrics, reference_config, reference_task, run_s
 from engine.checkpoint import (
     Checkpointer,
     CheckpointError,
+    WriteErrors,
     load_checkpoint,
+    load_model_state,
     load_model_weights,
     load_resume_checkpoint,
     save_checkpoint,
@@ -240,3 +243,314 @@ def test_an_unknown_best_metric_is_one_line_naming_the_choices(tmp_path):
         "error: checkpoint.best_metric is 'val_f1', which this task does not report (it reports val_loss, "
         "val_acc); set checkpoint.best_metric to one of them"
     ], result.stderr
+
+
+# -- checkpoints that are not usable: one line naming the file and what to do ---------------
+
+
+def one_error_line(result) -> str:
+    """The run's only `error:` line; no traceback, no abort."""
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and len(errors) == 1, result.stderr
+    assert "Traceback" not in result.stderr and "Fatal Python error" not in result.stderr, result.stderr
+    return errors[0]
+
+
+def assert_short(message: str, path) -> None:
+    """One line of about 200 characters, besides the path it names."""
+    assert "\n" not in message and str(path) in message
+    assert len(message.replace(str(path), "")) <= 200, message
+
+
+def run_dir_config(tmp_path, *overrides):
+    return reference_config(None, [f"output_dir={tmp_path}", *overrides])
+
+
+def save_steps(directory, steps):
+    """.pt step checkpoints of a run, each holding its own step; last.pt is the newest."""
+    state, cfg = make_state()
+    for step in steps:
+        state.step = step
+        save_checkpoint(payload(state, cfg), directory, step=step, keep_last=len(steps), is_best=False)
+
+
+def test_auto_resume_refuses_a_last_pt_that_links_elsewhere(tmp_path):
+    """last.pt replaced by a link to an older checkpoint outside the run: continuing from it
+    would overwrite step-00000016.pt and prune the newer ones. One line, nothing touched."""
+    out = tmp_path / "run"
+    args = [*FAST, "data.train_size=128", "checkpoint.every_steps=4", f"output_dir={out}"]
+    run_script("train.py", [*args, "train.epochs=2"])
+    directory = out / "checkpoints"
+    old = tmp_path / "old.pt"
+    shutil.copy(directory / "step-00000008.pt", old)
+    (directory / "last.pt").unlink()
+    (directory / "last.pt").symlink_to(old)
+    before = {path.name: path.read_bytes() for path in step_checkpoints(directory)}
+    assert "step-00000016.pt" in before
+    result = run_script("train.py", [*args, "train.epochs=3"], check=False)
+    assert result.returncode == 2 and "resumed from" not in result.stdout
+    assert one_error_line(result) == (
+        f"error: checkpoint '{directory / 'last.pt'}' links to '{old}', not to a step-*.dcp folder beside it; "
+        "remove it to continue from the newest step checkpoint, or set checkpoint.resume=PATH"
+    )
+    assert {path.name: path.read_bytes() for path in step_checkpoints(directory)} == before
+    assert [row["epoch"] for row in read_metrics(out)] == [0, 1]
+
+
+@pytest.mark.parametrize("target", ["step-00000008.pt", "../checkpoints/step-00000008.dcp", "elsewhere.dcp"])
+def test_auto_resume_refuses_links_train_py_never_makes(tmp_path, target):
+    """A .pt run's last.pt is a hard link; a sharded run's a relative link to a step-*.dcp
+    folder beside it. Any other link is refused, even one into the same folder."""
+    directory = tmp_path / "checkpoints"
+    save_steps(directory, [8, 16])
+    (directory / "last.pt").unlink()
+    (directory / "last.pt").symlink_to(target)
+    with pytest.raises(CheckpointError, match=r"links to '.*', not to a step-\*\.dcp folder beside it; remove it"):
+        load_resume_checkpoint(run_dir_config(tmp_path))
+
+
+def test_auto_resume_refuses_a_last_pt_older_than_a_step_checkpoint_beside_it(tmp_path):
+    """last.pt a hard link to an older step: replaced by hand, or left by a run that went
+    back to an older checkpoint (checkpoint.resume=PATH) and was stopped before it reached
+    the newer ones. Continuing from either would overwrite step-00000016.pt: one line."""
+    directory = tmp_path / "checkpoints"
+    save_steps(directory, [8, 12, 16])
+    (directory / "last.pt").unlink()
+    os.link(directory / "step-00000012.pt", directory / "last.pt")
+    with pytest.raises(CheckpointError) as caught:
+        load_resume_checkpoint(run_dir_config(tmp_path))
+    assert str(caught.value) == (
+        f"checkpoint '{directory / 'last.pt'}' is step 12, but step-00000016.pt beside it is newer; "
+        "remove it to continue from the newest step checkpoint, or set checkpoint.resume=PATH"
+    )
+    assert [path.name for path in step_checkpoints(directory)] == [f"step-{n:08d}.pt" for n in (8, 12, 16)]
+    (directory / "last.pt").unlink()  # as the line says
+    found, ckpt = load_resume_checkpoint(run_dir_config(tmp_path))
+    assert found == directory / "step-00000016.pt" and ckpt["step"] == 16
+
+
+def test_auto_resume_takes_last_pt_when_it_is_the_newest(tmp_path, capsys):
+    """A copy (file systems without hard links) or a run whose step files were moved away."""
+    directory = tmp_path / "checkpoints"
+    save_steps(directory, [8, 16])
+    (directory / "last.pt").unlink()
+    shutil.copy(directory / "step-00000016.pt", directory / "last.pt")
+    (directory / "step-00000016.pt").unlink()
+    found, ckpt = load_resume_checkpoint(run_dir_config(tmp_path))
+    assert found == directory / "last.pt" and ckpt["step"] == 16
+    assert capsys.readouterr().out == ""
+
+
+NOT_OURS = "is not a checkpoint of this project"
+
+
+def other_formats(tmp_path) -> dict:
+    """Checkpoint-like dicts of other programs or versions, and the reason each is refused."""
+    state, cfg = make_state()
+    good = payload(state, cfg)
+    cases = {
+        "no_config": ({k: v for k, v in good.items() if k != "config"}, f"{NOT_OURS} (no 'config')"),
+        "no_step": ({k: v for k, v in good.items() if k != "step"}, f"{NOT_OURS} (no 'step')"),
+        "model_tensor": (
+            {**good, "model": torch.ones(3)},
+            f"{NOT_OURS} ('model' is a Tensor, not a dict of tensors)",
+        ),
+        "model_lists": (
+            {**good, "model": {"net.0.weight": [1.0, 2.0]}},
+            f"{NOT_OURS} ('model' holds 'net.0.weight': a list, not a tensor)",
+        ),
+        "step_text": ({**good, "step": "16"}, f"{NOT_OURS} ('step' is a str, not an int)"),
+        "newer": (
+            {**good, "format_version": 1000},
+            "was written by a newer version of this project (format 1000; this one reads up to 1); use that version",
+        ),
+    }
+    paths = {}
+    for name, (contents, reason) in cases.items():
+        torch.save(contents, tmp_path / f"{name}.pt")
+        paths[name] = (tmp_path / f"{name}.pt", reason)
+    return paths
+
+
+def test_one_validation_refuses_other_formats_in_one_line(tmp_path):
+    for path, reason in other_formats(tmp_path).values():
+        for load in (load_checkpoint, lambda p: load_checkpoint(p, tensors=False), load_model_state):
+            with pytest.raises(CheckpointError) as caught:
+                load(path)
+            assert str(caught.value).startswith(f"checkpoint '{path}' {reason}"), str(caught.value)
+            assert_short(str(caught.value), path)
+
+
+def test_new_checkpoints_carry_their_format_and_older_ones_still_load(tmp_path):
+    state, _ = make_state()
+    cfg = run_dir_config(tmp_path)
+    Checkpointer(cfg, DistEnv(), torch.device("cpu")).save(state)
+    written = load_checkpoint(tmp_path / "checkpoints" / "last.pt")
+    assert isinstance(written["format_version"], int)
+    older = {k: v for k, v in written.items() if k != "format_version"}
+    torch.save(older, tmp_path / "older.pt")
+    assert load_checkpoint(tmp_path / "older.pt")["step"] == written["step"]
+
+
+ENTRY_POINTS = {
+    "resume": lambda path, out: ("train.py", [*FAST, f"output_dir={out}", f"checkpoint.resume={path}"]),
+    "init_from": lambda path, out: ("train.py", [*FAST, f"output_dir={out}", f"checkpoint.init_from={path}"]),
+    "evaluate": lambda path, out: ("evaluate.py", ["--checkpoint", path]),
+    "export": lambda path, out: ("export.py", ["--checkpoint", path, "--out", out / "weights.pt"]),
+}
+
+
+@pytest.mark.parametrize("entry_point", ENTRY_POINTS)
+def test_every_entry_point_refuses_other_formats_in_one_line(tmp_path, entry_point):
+    cases = other_formats(tmp_path)
+    for name in ("no_config", "model_tensor", "newer"):
+        path, reason = cases[name]
+        script, args = ENTRY_POINTS[entry_point](path, tmp_path / "out")
+        result = run_script(script, args, check=False)
+        assert result.returncode == 2 and one_error_line(result).startswith(f"error: checkpoint '{path}' {reason}")
+
+
+class RunsSystem:
+    """A plain pickle (pickle.dumps) that would run a shell command."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_unusable_files_are_named_for_what_they_are(tmp_path):
+    """Not torch's words (which suggest weights_only=False, or say "list index out of range"):
+    what the file is and what to do."""
+    state, cfg = make_state()
+    good = save_checkpoint(payload(state, cfg), tmp_path, step=1, keep_last=3, is_best=False).read_bytes()
+    files = {
+        "hostile.pt": pickle.dumps(RunsSystem(tmp_path / "pwned")),
+        "cut_early.pt": good[:1000],
+        "cut_half.pt": good[: len(good) // 2],
+        "cut_late.pt": good[:-10],
+        "text.pt": b"hello world\n",
+        "empty.pt": b"",
+    }
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    torch.save([1, 2, 3], tmp_path / "list.pt")
+    with zipfile.ZipFile(tmp_path / "archive.pt", "w") as archive:
+        archive.writestr("notes.txt", "not weights")
+    (tmp_path / "folder").mkdir()
+    expected = {
+        "hostile.pt": "holds code or objects other than plain data (posix.system); refused",
+        **dict.fromkeys(["cut_early.pt", "cut_half.pt", "cut_late.pt"], "is truncated or corrupt"),
+        "text.pt": "is not a checkpoint of this project (not a file torch.save writes)",
+        "empty.pt": "is not a checkpoint of this project (an empty file)",
+        "list.pt": "is not a checkpoint of this project (it holds a list, not a dict)",
+        "archive.pt": "is not a checkpoint of this project (a zip archive torch.save did not write)",
+        "folder": "is not a checkpoint of this project (a folder without .metadata or run_state.pt)",
+    }
+    for name, reason in expected.items():
+        path = tmp_path / name
+        with pytest.raises(CheckpointError) as caught:
+            load_checkpoint(path)
+        message = str(caught.value)
+        assert message.startswith(f"checkpoint '{path}' {reason}"), message
+        assert "weights_only" not in message and "Errno" not in message and "index" not in message
+        assert_short(message, path)
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_metadata_of_a_newer_torch_is_named_so(tmp_path, monkeypatch):
+    """A class a newer torch's DCP has and this one lacks is not code: say which torch."""
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint import metadata as dcp_metadata
+
+    class FutureStorageMetadata:
+        pass
+
+    FutureStorageMetadata.__module__ = "torch.distributed.checkpoint.metadata"
+    FutureStorageMetadata.__qualname__ = "FutureStorageMetadata"
+    _, folder = sharded_checkpoint(tmp_path)
+    metadata = FileSystemReader(folder).read_metadata()  # our own file: safe to unpickle
+    metadata.planner_data = FutureStorageMetadata()
+    with monkeypatch.context() as patch:  # as if this torch had it, for pickle to name it
+        patch.setattr(dcp_metadata, "FutureStorageMetadata", FutureStorageMetadata, raising=False)
+        (folder / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(folder)
+    assert str(caught.value) == (
+        f"checkpoint '{folder / '.metadata'}' was written by a newer torch: it names "
+        f"torch.distributed.checkpoint.metadata.FutureStorageMetadata, which torch {torch.__version__} lacks; "
+        "load it with that torch, or re-export it there"
+    )
+
+
+def two_sharded_saves(tmp_path):
+    """A sharded run's folder (1 process) at steps 2 and 4; last.pt links to step 4's."""
+    state, _ = make_state()
+    cfg = run_dir_config(tmp_path, "train.strategy=fsdp")
+    checkpointer = Checkpointer(cfg, DistEnv(), torch.device("cpu"))
+    for step in (2, 4):
+        state.step = step
+        checkpointer.save(state)
+    return cfg, checkpointer.directory
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "delete_run_state"])
+def test_a_torn_shard_is_refused_and_auto_resume_takes_the_older_folder(tmp_path, capsys, damage):
+    cfg, directory = two_sharded_saves(tmp_path)
+    folder = directory / "step-00000004.dcp"
+    shard = next(folder.glob("*.distcp"))
+    if damage == "truncate":
+        size = shard.stat().st_size
+        os.truncate(shard, size // 2)
+        reason = f"is truncated: {shard.name} has {size // 2} of its {size} bytes"
+    else:
+        lost = shard if damage == "delete" else folder / "run_state.pt"
+        lost.unlink()
+        reason = f"is incomplete: it has no {lost.name}"
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(folder, tensors=False)
+    assert str(caught.value) == f"checkpoint '{folder}' {reason}; use another checkpoint"
+    found, ckpt = load_resume_checkpoint(cfg)
+    assert found == directory / "step-00000002.dcp" and ckpt["step"] == 2
+    assert capsys.readouterr().out == (
+        f"warning: checkpoint '{directory / 'last.pt'}' {reason}; trying an older checkpoint\n"
+    )
+
+
+def test_a_torn_shard_on_2_processes_is_one_line_or_the_older_folder(tmp_path):
+    """FSDP on 2 processes: an explicit path fails in one line (evaluate.py aborted in
+    gloo before), resume=auto continues from the intact older folder."""
+    out = tmp_path / "run"
+    args = [*FAST, "data.train_size=256", "train.strategy=fsdp", "checkpoint.every_steps=2", f"output_dir={out}"]
+    run_script("train.py", [*args, "train.stop_at_step=4"], nproc=2)
+    directory = out / "checkpoints"
+    torn = directory / os.readlink(directory / "last.pt")
+    shard = torn / "__1_0.distcp"
+    os.truncate(shard, shard.stat().st_size - 100)
+    for script, script_args in (
+        ("evaluate.py", ["--checkpoint", torn]),
+        ("train.py", [*FAST, f"output_dir={tmp_path / 'other'}", f"checkpoint.resume={torn}"]),
+    ):
+        result = run_script(script, script_args, nproc=2, check=False)
+        assert one_error_line(result).startswith(f"error: checkpoint '{torn}' is truncated: __1_0.distcp has "), script
+    resumed = run_script("train.py", [*args, "train.stop_at_step=6"], nproc=2)
+    assert f"resumed from {directory / 'step-00000002.dcp'}: epoch 0, step 2" in resumed.stdout
+    assert "is truncated: __1_0.distcp" in resumed.stdout
+
+
+def test_a_ctrl_c_during_a_save_is_a_ctrl_c_not_a_disk_error(tmp_path, monkeypatch):
+    """torch.save turns an exception raised in a write into RuntimeError("unexpected pos"):
+    the save must raise the KeyboardInterrupt itself (report_errors: one line, exit 130)."""
+    real_write, writes = WriteErrors.write, []
+
+    def interrupted_write(self, data):
+        writes.append(len(data))
+        if len(writes) == 3:
+            self.file.write = lambda _: (_ for _ in ()).throw(KeyboardInterrupt())  # the signal lands here
+        return real_write(self, data)
+
+    monkeypatch.setattr(WriteErrors, "write", interrupted_write)
+    with pytest.raises(KeyboardInterrupt):
+        save_checkpoint({"model": {"w": torch.ones(100_000)}, "step": 1}, tmp_path, 1, keep_last=3, is_best=False)
+    assert not list(tmp_path.iterdir())  # nothing torn left behind

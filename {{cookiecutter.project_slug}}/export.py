@@ -46,7 +46,7 @@ def main(argv=None) -> None:
         reason = f"{error.filename!r} is a file" if isinstance(error, FileExistsError) else error.strerror
         raise UsageError(
             f"cannot write {str(out)!r}: {reason or error}; choose an --out in a writable folder "
-            f"with room for {size / 2**20:.1f} MiB"
+            f"with room for {size / 2**20:.{1 if size >= 2**20 else 3}f} MiB"
         ) from None
     print(f"wrote {out}: {len(weights)} tensors, {size / 2**20:.1f} MiB", flush=True)
 

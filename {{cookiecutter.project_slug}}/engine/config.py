@@ -9,6 +9,11 @@ meaning, and each run saves that in output_dir/config.yaml.
 Values come from the YAML file, then from `section.key=value` overrides on the command
 line. A key the schema does not know, a value of the wrong type or an invalid value is a
 `ConfigError` that names the key; the entry points turn it into one line and exit code 2.
+
+A field's type is bool, int, float, str, list[T], tuple[T, ...], a fixed tuple[T1, T2],
+T | None (null in YAML), Literal["a", "b"] or a dataclass (a sub-section, `model.head.x=1`),
+with T any of these. On the command line a list, tuple or section is written as in YAML:
+`model.widths=[32,64]`.
 """
 
 import copy
@@ -18,6 +23,7 @@ import inspect
 import math
 import re
 import reprlib
+import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -249,7 +255,14 @@ def load_config(
         if not sep or not key:
             raise ConfigError(f"override {shown(override)} is not of the form section.key=value")
         set_dotted(values, key.strip(), raw)
-    return build(Config, values, prefix="", sections={"data": data, "model": model})
+    sections = {"data": data, "model": model}
+    schema = section_types(Config, sections)
+    for name, kind in schema.items():
+        check_type(name, kind)
+    try:
+        return build(Config, values, prefix="", schema=schema)
+    except UnknownKey as error:  # suggested from every key of the schema, the task's sections too
+        raise ConfigError(f"{error}{suggestion(error.key, sections)}") from None
 
 
 def without_retired_keys(values: dict) -> dict:
@@ -361,36 +374,137 @@ class CliValue(str):
     """A value typed on the command line: converted from text to the field's type."""
 
 
+def field_types(cls: type) -> dict[str, type]:
+    """Each field's type (not ClassVars such as may_change_on_resume: they are no keys)."""
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+
+
 def section_types(cls: type, sections: dict[str, type]) -> dict[str, type]:
     """Each field's type; the task's sections (typed Any above) as given."""
-    return typing.get_type_hints(cls) | (sections if cls is Config else {})
+    return field_types(cls) | (sections if cls is Config else {})
 
 
-def build(cls: type, values: dict, prefix: str, sections: dict[str, type]):
-    """An instance of the dataclass `cls` from nested dicts, checking every key and type."""
+class UnknownKey(ConfigError):
+    def __init__(self, key: str):
+        super().__init__(f"unknown config key {shown(key)}")
+        self.key = key
+
+
+def build(cls: type, values, prefix: str, schema: dict[str, type] | None = None):
+    """An instance of the dataclass `cls` from nested dicts, checking every key and type;
+    `schema`: its fields' types, where they are not its annotations (Config's task sections)."""
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.')} must be a section (key: value lines)")
-    types = section_types(cls, sections)
+    schema = schema or field_types(cls)
     for name in values:
-        if name not in types:
-            key = f"{prefix}{name}"
-            raise ConfigError(f"unknown config key {shown(key)}{suggestion(key, sections)}")
+        if name not in schema:
+            raise UnknownKey(f"{prefix}{name}")
     kwargs = {}
-    for name, kind in types.items():
+    for name, kind in schema.items():
         key = f"{prefix}{name}"
         if dataclasses.is_dataclass(kind):  # a section: build it even when the file omits it
-            kwargs[name] = build(kind, values.get(name, {}), f"{key}.", sections)
+            kwargs[name] = convert(key, values.get(name, {}), kind)
         elif name in values:
             kwargs[name] = convert(key, values[name], kind)
     return cls(**kwargs)
 
 
-def convert(key: str, value, kind: type):
-    """`value` as `kind` (bool, int, float or str), or a ConfigError naming the key:
-    every value of every section, the task's too, comes through here."""
-    converted = as_kind(key, value, kind)
-    check_sensible(key, converted)
-    return converted
+SCALARS = (bool, int, float, str)
+NULLS = ("null", "~")  # YAML's spellings of null, on the command line too
+
+
+def optional_of(kind):
+    """X for `X | None` and `Optional[X]`, else None."""
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) in (typing.Union, types.UnionType) and len(args) == 2 and type(None) in args:
+        return next(arg for arg in args if arg is not type(None))
+    return None
+
+
+def check_type(key: str, kind, field_kind=None) -> None:
+    """Refuse a field of a type that a config cannot read or write, before any value is read
+    (the field is wrong whatever the config says); `field_kind` is the whole type of the field
+    that `kind` is part of."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
+    if dataclasses.is_dataclass(kind):
+        for name, sub in field_types(kind).items():
+            check_type(f"{key}.{name}", sub)
+    elif origin is typing.Literal and all(type(choice) in SCALARS for choice in args):
+        pass
+    elif (origin is list and len(args) == 1) or (origin is tuple and args) or optional_of(kind) is not None:
+        for arg in args:
+            if arg is not Ellipsis and arg is not type(None):
+                check_type(key, arg, field_kind or kind)
+    elif kind not in SCALARS:
+        raise ConfigError(
+            f"{key} has type {type_name(field_kind or kind)}, which a config cannot hold; use bool, int, float, "
+            "str, list[T], tuple[T, ...], tuple[T1, T2], T | None, Literal[...] or a dataclass (a sub-section)"
+        )
+
+
+def type_name(kind) -> str:
+    """`kind` as written in the schema: int, list[int], int | None."""
+    if isinstance(kind, type) and typing.get_origin(kind) is None:
+        return kind.__name__
+    return repr(kind).replace("typing.", "")
+
+
+def convert(key: str, value, kind):
+    """`value` as `kind`, or a ConfigError naming the key (an item's as `key[i]`): every value
+    of every section, the task's too, comes through here, from the file, the command line or a
+    checkpoint's stored config."""
+    origin = typing.get_origin(kind)
+    if optional_of(kind) is not None:
+        return None if is_null(value) else convert(key, value, optional_of(kind))
+    if origin is typing.Literal:
+        return as_choice(key, value, typing.get_args(kind))
+    if kind in SCALARS:
+        converted = as_kind(key, value, kind)
+        check_sensible(key, converted)
+        return converted
+    if isinstance(value, CliValue):  # [32,64] or {a: 1}: read like the same value in the file
+        value = parse_flow(key, value)
+    if dataclasses.is_dataclass(kind):
+        return build(kind, value, f"{key}.")
+    pairs = enumerate(typed_items(key, value, kind))
+    items = [convert(f"{key}[{i}]", item, item_kind) for i, (item, item_kind) in pairs]
+    return items if origin is list else tuple(items)
+
+
+def is_null(value) -> bool:
+    return value is None or (isinstance(value, CliValue) and value.strip() in NULLS)
+
+
+def parse_flow(key: str, text: str):
+    try:
+        return load_yaml(text)
+    except yaml.YAMLError:
+        raise ConfigError(f"{key} must be a YAML value such as [1, 2], got {shown(str(text))}") from None
+
+
+def typed_items(key: str, value, kind) -> list[tuple]:
+    """Each item of a list or tuple value with the type it must have. Either is taken for
+    either kind: YAML has only lists, a checkpoint's stored config has tuples."""
+    if not isinstance(value, (list, tuple)):
+        raise ConfigError(f"{key} must be {type_name(kind)}, got {type(value).__name__} {shown(value)}")
+    args = typing.get_args(kind)
+    if typing.get_origin(kind) is list or args[-1] is Ellipsis:  # list[T], tuple[T, ...]
+        return [(item, args[0]) for item in value]
+    if len(value) != len(args):
+        raise ConfigError(f"{key} must be {type_name(kind)}: {len(args)} items, got {len(value)}: {shown(value)}")
+    return list(zip(value, args, strict=True))
+
+
+def as_choice(key: str, value, choices: tuple):
+    """One of a Literal's choices, of the choice's own type (1 is not True)."""
+    for choice in choices:
+        try:
+            if as_kind(key, value, type(choice)) == choice:
+                return choice
+        except ConfigError:
+            continue
+    raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}; got {shown(value)}")
 
 
 def as_kind(key: str, value, kind: type):
@@ -429,6 +543,7 @@ def convert_text(key: str, text: str, kind: type):
 def all_keys(cls: type, sections: dict[str, type], prefix: str = "") -> list[str]:
     keys = []
     for name, kind in section_types(cls, sections).items():
+        kind = optional_of(kind) or kind
         if dataclasses.is_dataclass(kind):
             keys += all_keys(kind, sections, f"{prefix}{name}.")
         else:
@@ -437,6 +552,8 @@ def all_keys(cls: type, sections: dict[str, type], prefix: str = "") -> list[str
 
 
 def suggestion(key: str, sections: dict[str, type]) -> str:
+    if "[" in key:  # in a list's item: the schema's keys do not name items
+        return ""
     known = all_keys(Config, sections)
     close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     if not close:
@@ -466,16 +583,34 @@ def render(section, indent: str = "") -> list[str]:
             sections += ["", f"{indent}{f.name}:", *render(value, indent + "  ")]
             continue
         notes = [comments.get(f.name, "")]
-        if f.default is not dataclasses.MISSING and value != f.default:
-            notes.append(f"(default {yaml_scalar(f.default)})")
+        default = field_default(f)
+        if default is not dataclasses.MISSING and value != default:
+            notes.append(f"(default {yaml_scalar(default)})")
         line = f"{indent}{f.name}: {yaml_scalar(value)}"
         note = " ".join(n for n in notes if n)
         lines.append(f"{line:<40} # {note}" if note else line)
     return lines + sections
 
 
+def field_default(f: dataclasses.Field):
+    if f.default_factory is not dataclasses.MISSING:
+        return f.default_factory()
+    return f.default
+
+
 def yaml_scalar(value) -> str:
-    return yaml.safe_dump(value, default_flow_style=True).removesuffix("\n...\n").strip()
+    """`value` as one line of YAML that reads back as the same value."""
+    text = yaml.safe_dump(plain(value), default_flow_style=True, width=math.inf)
+    return text.removesuffix("\n...\n").strip()
+
+
+def plain(value):
+    """`value` in the types YAML writes: a tuple as a list, a dataclass as a mapping."""
+    if dataclasses.is_dataclass(value):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, (list, tuple)):
+        return [plain(item) for item in value]
+    return value
 
 
 def format_config(cfg: Config) -> str:

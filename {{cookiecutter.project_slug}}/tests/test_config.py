@@ -1,11 +1,15 @@
+import dataclasses
 import subprocess
 import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import ClassVar, Literal, Optional
 
 import pytest
 import yaml
 
 from conftest import PROJECT, REFERENCE_TASK, machinery_project, project_config, reference_config
-from engine.config import Config, check_positive, save_config, shown
+from engine.config import Config, check_positive, format_config, load_config, save_config, shown
 from engine.errors import ConfigError
 
 CONFIG_YAML = REFERENCE_TASK / "config.yaml"
@@ -267,3 +271,203 @@ def test_bad_config_stops_train_py_with_one_line(config, args, message):
         args = ["--config", "bad.yaml", *args]
     run = subprocess.run([sys.executable, "train.py", *args], cwd=project, capture_output=True, text=True)
     assert run.returncode == 2 and run.stderr.startswith(message) and run.stderr.count("\n") == 1, run.stderr
+
+
+# Richer field types, on small sections of the test's own (not the example task's).
+
+
+@dataclass
+class Head:
+    dropout: float = 0.0  # before the last layer
+    widths: tuple[int, ...] = ()
+
+
+@dataclass
+class RichModel:
+    widths: list[int] = field(default_factory=lambda: [16, 32])  # channel widths
+    size: tuple[int, int] = (224, 224)  # input height, width
+    scales: tuple[float, ...] = (1.0,)
+    offset: int | None = None  # none: no offset
+    tag: Optional[str] = None  # noqa: UP045 (the spelling of older code, which must work too)
+    act: Literal["relu", "gelu"] = "relu"  # activation
+    head: Head = field(default_factory=Head)
+    extra: Head | None = None
+    heads: list[Head] = field(default_factory=list)
+
+    may_change_on_resume: ClassVar[tuple[str, ...]] = ("tag",)  # not a key: a ClassVar
+
+
+@dataclass
+class TinyData:
+    name: str = "tiny"
+
+
+def rich_config(path=None, overrides=(), base=None, model=RichModel):
+    return load_config(path, list(overrides), data=TinyData, model=model, base=base)
+
+
+RICH_YAML = """\
+model:
+  widths: [32, 64]
+  size: [128, 96]
+  scales: [0.5, 1e-3]
+  offset: -3
+  tag: night
+  act: gelu
+  head: {dropout: 0.1, widths: [8]}
+  extra: {dropout: 0.2}
+  heads: [{dropout: 0.3}, {widths: [1, 2]}]
+"""
+RICH_OVERRIDES = [
+    "model.widths=[32,64]",
+    "model.size=[128, 96]",
+    "model.scales=[0.5,1e-3]",
+    "model.offset=-3",
+    "model.tag=night",
+    "model.act=gelu",
+    "model.head.dropout=0.1",
+    "model.head.widths=[8]",
+    "model.extra.dropout=0.2",
+    "model.heads=[{dropout: 0.3}, {widths: [1, 2]}]",
+]
+RICH_MODEL = RichModel(
+    widths=[32, 64],
+    size=(128, 96),
+    scales=(0.5, 1e-3),
+    offset=-3,
+    tag="night",
+    act="gelu",
+    head=Head(0.1, (8,)),
+    extra=Head(0.2),
+    heads=[Head(0.3), Head(widths=(1, 2))],
+)
+
+
+def test_rich_types_from_yaml(tmp_path):
+    model = rich_config(write(tmp_path, RICH_YAML)).model
+    assert model == RICH_MODEL
+    assert type(model.size) is tuple and type(model.heads[1].widths) is tuple and type(model.scales[1]) is float
+
+
+def test_rich_types_from_the_command_line():
+    model = rich_config(None, RICH_OVERRIDES).model
+    assert model == RICH_MODEL
+    assert type(model.size) is tuple and type(model.head.widths) is tuple
+
+
+def test_rich_type_defaults_are_kept():
+    assert rich_config().model == RichModel()
+
+
+@pytest.mark.parametrize("spelling", ["null", "~"])
+def test_null_for_optional_fields(tmp_path, spelling):
+    path = write(tmp_path, "model:\n  offset: 5\n  extra: {dropout: 0.5}\n  tag: x\n")
+    model = rich_config(path, [f"model.offset={spelling}", f"model.extra={spelling}", f"model.tag={spelling}"]).model
+    assert model.offset is None and model.extra is None and model.tag is None
+    model = rich_config(write(tmp_path, f"model:\n  offset: {spelling}\n  tag: {spelling}\n")).model
+    assert model.offset is None and model.tag is None
+
+
+def test_optional_text_from_the_command_line_stays_text():
+    assert rich_config(None, ["model.tag=7", "model.offset=7"]).model == RichModel(tag="7", offset=7)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("model.widths=[32,x]", "model.widths[1] must be int, got str 'x'"),
+        ("model.widths=32", "model.widths must be list[int], got int 32"),
+        ("model.widths=[32", "model.widths must be a YAML value such as [1, 2], got '[32'"),
+        ("model.size=[1,2,3]", "model.size must be tuple[int, int]: 2 items, got 3: [1, 2, 3]"),
+        ("model.size=[1,true]", "model.size[1] must be int, got bool True"),
+        ("model.scales=[1.0,nan]", "model.scales[1] must be a finite number, got nan"),
+        ("model.offset=abc", "model.offset must be int, got 'abc'"),
+        ("model.act=tanh", "model.act must be one of relu, gelu; got 'tanh'"),
+        ("model.head.dropout=x", "model.head.dropout must be float, got 'x'"),
+        ("model.head.widths=[1,[2]]", "model.head.widths[1] must be int, got list [2]"),
+        ("model.head.dropoutt=1", "unknown config key 'model.head.dropoutt' (did you mean 'model.head.dropout'?)"),
+        ("model.heads=[{dropout: x}]", "model.heads[0].dropout must be float, got 'x'"),
+        ("model.extra.dropot=1", "unknown config key 'model.extra.dropot' (did you mean 'model.extra.dropout'?)"),
+        ("model.heads=[{drop: 1}]", "unknown config key 'model.heads[0].drop'"),
+        ("model.heads=[3]", "model.heads[0] must be a section (key: value lines)"),
+    ],
+)
+def test_wrong_rich_value_on_the_command_line_names_the_key(override, message):
+    with pytest.raises(ConfigError) as error:
+        rich_config(None, [override])
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("widths: [32, x]", "model.widths[1] must be int, got str 'x'"),
+        ("widths: 32,64", "model.widths must be list[int], got str '32,64'"),
+        ("size: [1]", "model.size must be tuple[int, int]: 2 items, got 1: [1]"),
+        ("scales: [.inf]", "model.scales[0] must be a finite number, got inf"),
+        ("offset: 2.5", "model.offset must be int, got float 2.5"),
+        ("act: tanh", "model.act must be one of relu, gelu; got 'tanh'"),
+        ("act: 1", "model.act must be one of relu, gelu; got 1"),
+        ("head: 3", "model.head must be a section (key: value lines)"),
+        ("extra: {dropout: [1]}", "model.extra.dropout must be float, got list [1]"),
+        ("heads: [{dropout: 0.1}, {widths: [1, x]}]", "model.heads[1].widths[1] must be int, got str 'x'"),
+    ],
+)
+def test_wrong_rich_value_in_yaml_names_the_key(tmp_path, text, message):
+    with pytest.raises(ConfigError) as error:
+        rich_config(write(tmp_path, f"model:\n  {text}\n"))
+    assert str(error.value) == message
+
+
+@pytest.mark.parametrize(
+    "kind, shown_as",
+    [(dict[str, int], "dict[str, int]"), (set[int], "set[int]"), (Path, "Path"), (int | str, "int | str")],
+)
+def test_unsupported_field_type_is_refused_at_load(kind, shown_as):
+    """Refused even when no value is given: the field is wrong whatever the config says."""
+    model = dataclasses.make_dataclass("BadModel", [("weights", kind, field(default=None))])
+    with pytest.raises(ConfigError) as error:
+        rich_config(model=model)
+    assert str(error.value) == (  # the whole line: the field, its type, the types there are
+        f"model.weights has type {shown_as}, which a config cannot hold; use bool, int, float, str, "
+        "list[T], tuple[T, ...], tuple[T1, T2], T | None, Literal[...] or a dataclass (a sub-section)"
+    )
+
+
+def test_unsupported_type_inside_a_container_is_refused():
+    model = dataclasses.make_dataclass("BadModel", [("layers", list[dict], field(default_factory=list))])
+    with pytest.raises(ConfigError, match=r"^model.layers has type list\[dict\], which a config cannot hold; "):
+        rich_config(model=model)
+
+
+def test_rich_config_round_trips_through_print_config(tmp_path):
+    cfg = rich_config(None, RICH_OVERRIDES)
+    text = format_config(cfg)
+    assert rich_config(None, base=yaml.safe_load(text)) == cfg
+    save_config(cfg, tmp_path / "resolved.yaml")
+    assert rich_config(tmp_path / "resolved.yaml") == cfg
+    assert rich_config(None, base=yaml.safe_load(format_config(rich_config()))) == rich_config()
+    lines = text.splitlines()
+    assert f"{'  widths: [32, 64]':<40} # channel widths (default [16, 32])" in lines
+    assert f"{'  size: [128, 96]':<40} # input height, width (default [224, 224])" in lines
+    assert f"{'  offset: -3':<40} # none: no offset (default null)" in lines
+    assert f"{'  act: gelu':<40} # activation (default relu)" in lines
+    assert "  heads: [{dropout: 0.3, widths: []}, {dropout: 0.0, widths: [1, 2]}] # (default [])" in lines
+    assert "  head:" in lines and f"{'    dropout: 0.1':<40} # before the last layer (default 0.0)" in lines
+
+
+def test_default_factory_values_show_as_defaults():
+    lines = format_config(rich_config()).splitlines()
+    assert f"{'  widths: [16, 32]':<40} # channel widths" in lines
+    assert "  heads: []" in lines and "  extra: null" in lines
+
+
+def test_config_from_a_checkpoint_dict_gets_its_tuples_back():
+    """A checkpoint stores dataclasses.asdict(cfg); where it comes back with lists, the
+    schema's tuples are tuples again."""
+    cfg = rich_config(None, RICH_OVERRIDES)
+    stored = yaml.safe_load(yaml.safe_dump(dataclasses.asdict(cfg)).replace("!!python/tuple", ""))
+    assert stored["model"]["size"] == [128, 96]
+    loaded = rich_config(None, [], base=stored)
+    assert loaded == cfg and type(loaded.model.size) is tuple and type(loaded.model.heads[1].widths) is tuple
+    assert rich_config(None, [], base=dataclasses.asdict(cfg)) == cfg

@@ -49,7 +49,7 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from engine.config import Config, effective_batch
+from engine.config import Config, effective_batch, field_default, plain
 from engine.distributed import DistEnv, all_gather_objects, gather_objects_on_main, is_main, stop_all_if_any_fails
 from engine.ema import EMA_KEY, WeightEMA
 from engine.errors import CheckpointError, UsageError
@@ -743,20 +743,59 @@ def config_changes(saved: dict, cfg: Config) -> list[str]:
     """'section.key: old -> new' for each setting that changes what the weights mean: the
     seed and the task's data and model sections, but for the keys each section lists in
     `may_change_on_resume` (e.g. where the files are, how they are augmented); and
-    train.freeze's settings, which shape the optimizer."""
-    current = dataclasses.asdict(cfg)
-    changes = [f"seed: {saved.get('seed')!r} -> {cfg.seed!r}"] if saved.get("seed") != cfg.seed else []
-    for key in ("freeze", "freeze_epochs"):  # the optimizer's parameter groups follow them
-        old, new = saved.get("train", {}).get(key, current["train"][key]), current["train"][key]
-        if old != new:
-            changes.append(f"train.{key}: {old!r} -> {new!r}")
-    for key in ("data", "model"):
-        old, new = saved.get(key) or {}, current[key]
-        free = getattr(getattr(cfg, key), "may_change_on_resume", ())
-        for sub in sorted(set(old) | set(new)):
-            if sub not in free and old.get(sub) != new.get(sub):
-                changes.append(f"{key}.{sub}: {old.get(sub)!r} -> {new.get(sub)!r}")
+    train.freeze's settings, which shape the optimizer.
+
+    The schema may have grown since the checkpoint: a key it lacks counts as its default
+    (the default keeps the old behaviour), and one the schema no longer has is ignored.
+    Keys set in both come first, in schema order: what the user changed, before the keys
+    new since the checkpoint."""
+    changes = [
+        *section_changes("", saved, cfg, only=("seed",)),
+        *section_changes("train.", saved.get("train") or {}, cfg.train, only=("freeze", "freeze_epochs")),
+        *section_changes("data.", saved.get("data") or {}, cfg.data),
+        *section_changes("model.", saved.get("model") or {}, cfg.model),
+    ]
+    return [str(change) for change in sorted(changes, key=lambda change: change.new_key)]  # stable: schema order
+
+
+@dataclasses.dataclass(frozen=True)
+class SettingChange:
+    name: str
+    old: object  # for a new key, its default (MISSING if it has none)
+    new: object
+    new_key: bool  # absent from the checkpoint's config
+
+    def __str__(self) -> str:
+        new = repr(plain(self.new))
+        if not self.new_key:
+            return f"{self.name}: {plain(self.old)!r} -> {new}"
+        if self.old is dataclasses.MISSING:
+            return f"{self.name}: new key, no default -> {new}"
+        return f"{self.name}: new key, default {plain(self.old)!r} -> {new}"
+
+
+def section_changes(prefix: str, saved: dict, section, only=None, new_key=False) -> list[SettingChange]:
+    """The changes of a config section (a dataclass) from `saved`, its values as the
+    checkpoint holds them; `only`: just these fields."""
+    free = getattr(section, "may_change_on_resume", ())
+    changes = []
+    for f in dataclasses.fields(section):
+        if f.name in free or (only is not None and f.name not in only):
+            continue
+        value, name = getattr(section, f.name), f"{prefix}{f.name}"
+        if f.name in saved:
+            changes += value_changes(name, saved[f.name], value, new_key)
+        else:
+            changes += value_changes(name, field_default(f), value, new_key=True)
     return changes
+
+
+def value_changes(name: str, old, new, new_key: bool) -> list[SettingChange]:
+    """A nested section key by key (dotted names); any other value whole, normalised."""
+    if dataclasses.is_dataclass(new) and isinstance(old, dict | type(new)):
+        old_values = old if isinstance(old, dict) else plain(old)  # a new section's default is a dataclass
+        return section_changes(f"{name}.", old_values, new, new_key=new_key)
+    return [] if plain(old) == plain(new) else [SettingChange(name, old, new, new_key)]
 
 
 def refuse_changed_settings(path: Path, saved: dict, cfg: Config) -> None:

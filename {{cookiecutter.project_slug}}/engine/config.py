@@ -605,11 +605,14 @@ def yaml_scalar(value) -> str:
 
 
 def plain(value):
-    """`value` in the types YAML writes: a tuple as a list, a dataclass as a mapping."""
-    if dataclasses.is_dataclass(value):
+    """`value` in the types YAML writes, as a checkpoint may also hand it back: tuples as
+    lists, dataclasses as mappings, recursively."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
     if isinstance(value, (list, tuple)):
         return [plain(item) for item in value]
+    if isinstance(value, dict):
+        return {key: plain(item) for key, item in value.items()}
     return value
 
 

@@ -3,23 +3,28 @@ import os
 import pickle
 import shutil
 import zipfile
+from dataclasses import dataclass, field
+from typing import ClassVar
 
 import pytest
 import torch
 
-from conftest import FAST, read_metrics, reference_config, reference_task, run_script
+from conftest import FAST, machinery_project, read_metrics, reference_config, reference_task, run_script
 from engine.checkpoint import (
     Checkpointer,
     CheckpointError,
     WriteErrors,
+    config_changes,
     load_checkpoint,
     load_model_state,
     load_model_weights,
     load_resume_checkpoint,
+    refuse_changed_settings,
     save_checkpoint,
     step_checkpoints,
     strip_prefixes,
 )
+from engine.config import Config
 from engine.distributed import DistEnv
 from engine.divergence import NonFiniteGuard
 from engine.optim import build_grad_scaler, build_optimizer, build_scheduler
@@ -554,3 +559,118 @@ def test_a_ctrl_c_during_a_save_is_a_ctrl_c_not_a_disk_error(tmp_path, monkeypat
     with pytest.raises(KeyboardInterrupt):
         save_checkpoint({"model": {"w": torch.ones(100_000)}, "step": 1}, tmp_path, 1, keep_last=3, is_best=False)
     assert not list(tmp_path.iterdir())  # nothing torn left behind
+
+
+# -- resuming after the config's schema grew ---------------------------------------------------
+
+
+@dataclass
+class OldModel:
+    """A task's model section as a checkpoint saved it."""
+
+    hidden_dim: int = 32
+    widths: tuple[int, ...] = (32, 64)
+
+
+@dataclass
+class Head:
+    dropout: float = 0.0
+    cache: str = ""
+
+    may_change_on_resume: ClassVar[tuple[str, ...]] = ("cache",)
+
+
+@dataclass
+class GrownModel:
+    """OldModel with settings added since: defaulted fields, before and after the old ones."""
+
+    beta2: float | None = None
+    hidden_dim: int = 32
+    widths: tuple[int, ...] = (32, 64)
+    bias: bool = True
+    head: Head = field(default_factory=lambda: Head(dropout=0.5))
+
+
+def config_of(model) -> Config:
+    return Config(data=reference_task().data.DataConfig(), model=model)
+
+
+def saved_by(model) -> dict:
+    return dataclasses.asdict(config_of(model))
+
+
+def test_a_setting_added_since_the_checkpoint_at_its_default_is_no_change():
+    """The default keeps the old behaviour; a key the schema no longer has is ignored."""
+    saved = saved_by(OldModel())
+    saved["model"]["retired"] = 3
+    assert config_changes(saved, config_of(GrownModel())) == []
+
+
+def test_a_setting_added_since_the_checkpoint_away_from_its_default_is_refused(tmp_path):
+    saved = saved_by(OldModel())
+    assert config_changes(saved, config_of(GrownModel(bias=False))) == ["model.bias: new key, default True -> False"]
+    assert config_changes(saved, config_of(GrownModel(head=Head(dropout=0.1)))) == [
+        "model.head.dropout: new key, default 0.5 -> 0.1"
+    ]
+    with pytest.raises(CheckpointError) as caught:
+        refuse_changed_settings(tmp_path / "last.pt", saved, config_of(GrownModel(beta2=0.95)))
+    assert str(caught.value) == (
+        f"{tmp_path / 'last.pt'} was trained with other settings (model.beta2: new key, default None -> 0.95); "
+        f"use a new output_dir, or checkpoint.resume=none checkpoint.init_from={tmp_path / 'last.pt'} "
+        "to start from its weights only"
+    )
+
+
+def test_the_refusal_names_first_what_the_user_changed(tmp_path):
+    """Changed keys in schema order, then the new keys set away from their defaults."""
+    saved = saved_by(OldModel())
+    grown = GrownModel(beta2=0.95, hidden_dim=64, widths=(32, 128), bias=False)
+    assert config_changes(saved, config_of(grown)) == [
+        "model.hidden_dim: 32 -> 64",
+        "model.widths: [32, 64] -> [32, 128]",
+        "model.beta2: new key, default None -> 0.95",
+        "model.bias: new key, default True -> False",
+    ]
+    with pytest.raises(CheckpointError, match=r"other settings \(model\.hidden_dim: 32 -> 64 and 3 more\); use"):
+        refuse_changed_settings(tmp_path / "last.pt", saved, config_of(grown))
+
+
+def test_saved_lists_equal_the_tuples_they_were():
+    """A tuple field may come back as a list (or a tuple of tuples as lists of lists)."""
+
+    @dataclass
+    class Model:
+        widths: tuple[int, ...] = (32, 64)
+        grid: tuple[tuple[int, int], ...] = ((1, 2), (3, 4))
+
+    saved = saved_by(Model())
+    saved["model"] |= {"widths": [32, 64], "grid": [[1, 2], [3, 4]]}
+    assert config_changes(saved, config_of(Model())) == []
+    assert config_changes(saved, config_of(Model(grid=((1, 2), (3, 5))))) == [
+        "model.grid: [[1, 2], [3, 4]] -> [[1, 2], [3, 5]]"
+    ]
+
+
+def test_a_nested_section_is_compared_key_by_key():
+    saved = saved_by(GrownModel())
+    saved["model"]["head"]["retired"] = 1  # removed from the schema since
+    del saved["model"]["head"]["cache"]  # added since, at its default
+    assert config_changes(saved, config_of(GrownModel())) == []
+    changed = GrownModel(head=Head(dropout=0.1, cache="/tmp/cache"))  # cache may change on resume
+    assert config_changes(saved, config_of(changed)) == ["model.head.dropout: 0.5 -> 0.1"]
+
+
+def test_a_run_resumes_after_its_model_config_grew_a_defaulted_field(tmp_path):
+    """A real run: trained, then its ModelConfig gains `bias: bool = True`; resuming continues."""
+    project = tmp_path / "project"
+    shutil.copytree(machinery_project(), project)
+    out = tmp_path / "run"
+    args = [*FAST, "data.train_size=128", f"output_dir={out}"]
+    run_script("train.py", [*args, "train.epochs=1"], cwd=project)
+    model_py = project / "model.py"
+    old_field = '    pretrained: str = ""'
+    assert old_field in model_py.read_text()
+    model_py.write_text(model_py.read_text().replace(old_field, f"{old_field}\n    bias: bool = True", 1))
+    result = run_script("train.py", [*args, "train.epochs=2"], cwd=project)
+    assert "resumed from" in result.stdout
+    assert [row["epoch"] for row in read_metrics(out)] == [0, 1]

@@ -26,6 +26,7 @@ SUITE_PARTS = {
         "test_launch.py",
         "test_entry_points.py",
         "test_launcher.py",
+        "test_fsdp_tied.py",
     ],
     "daily loop and units": [
         "test_trackers.py",

@@ -51,6 +51,7 @@ def main(argv=None) -> None:
     ckpt = load_checkpoint(args.checkpoint, tensors=False)
     cfg = load_config(args.config, args.overrides, data=DataConfig, model=ModelConfig, base=ckpt.get("config"))
     env, device = init_distributed_mode(cfg.dist)
+    set_host_allocator(sharded=is_sharded(cfg, env))  # as train.py does, before the model is built
     try:
         prepare_on_node_leaders(prepare_data, cfg, env, device)  # one writer per node at a time
         with stop_all_if_any_fails(device):
@@ -58,7 +59,6 @@ def main(argv=None) -> None:
         # Under FSDP sharded as in training (no full copy on any device), else a replica.
         model = build_for_evaluation(lambda: build_model(cfg), cfg, env, device, BLOCKS)
         load_weights(model, Path(args.checkpoint), ckpt, part="ema" if args.ema else "model")
-        set_host_allocator(sharded=is_sharded(cfg, env))  # as train.py does
         # Its workers end with the `with`, before the process group does.
         with build_val_loader(val_set, cfg, env, device, getattr(data, "collate_fn", None)) as val_loader:
             metrics = evaluate(model, val_loader, validation_step, build_metrics(cfg), device, cfg.train.precision)

@@ -72,6 +72,9 @@ def main(argv=None) -> None:
         print(format_config(cfg), end="")
         return
     env, device = init_distributed_mode(cfg.dist, Path(cfg.output_dir) / "flight_recorder")
+    # What each step frees: kept, or given back (FSDP). Set before the model is built: glibc's
+    # defaults would keep in the heap what FSDP's setup frees, a full tensor at a time.
+    set_host_allocator(sharded=is_sharded(cfg, env))
     lock, loaders = None, ()
     try:
         with stop_all_if_any_fails(device):
@@ -94,7 +97,6 @@ def main(argv=None) -> None:
             profile_steps(state.optimizer, cfg.train, env.rank, state.step, cfg.output_dir)  # if train.profile_steps
 
             freeze_setup_objects()  # no full garbage collection pauses inside the steps
-            set_host_allocator(sharded=is_sharded(cfg, env))  # what each step frees: kept, or given back (FSDP)
             while state.epoch < cfg.train.epochs and not state.early_stopping.stopped:
                 if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
                     seed_everything(derive_seed(cfg.seed, env.rank, state.epoch))

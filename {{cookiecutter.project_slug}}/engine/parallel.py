@@ -7,7 +7,8 @@ Under FSDP the full model never reaches a device: rank 0 builds it once in host 
 build it on the meta device (no memory), every rank shards the empty structure per
 block, and each tensor then goes from rank 0 to the shards one at a time. What remains:
 rank 0 holds one full copy in host RAM during setup (the other ranks none), and every
-rank one full tensor at a time.
+rank one full tensor at a time. Weights the model ties (an output layer sharing its
+embedding's) stay tied on every rank.
 """
 
 import functools
@@ -97,7 +98,7 @@ def build_sharded(build: Callable[[], nn.Module], cfg: Config, env: DistEnv, dev
             model = build()
             full = model.state_dict()  # keeps the values alive while the module goes to meta
             buffers = dict(model.named_buffers())  # also those state_dict leaves out (non-persistent)
-            model.to("meta")
+            move_to_meta(model)
         else:
             model = build_on_meta(build)
             full, buffers = {}, {}
@@ -107,6 +108,35 @@ def build_sharded(build: Callable[[], nn.Module], cfg: Config, env: DistEnv, dev
     set_model_state_dict(model, full, options=FROM_RANK_0)
     fill_buffers_from_rank_0(model, buffers)
     return model
+
+
+def move_to_meta(model: nn.Module) -> None:
+    """The built model's tensors to the meta device, tied ones still tied. `to("meta")`
+    gives each module a new tensor of its own, so weights that modules share (an output
+    layer tied to its embedding) would come apart on rank 0 while the ranks that built
+    the model on meta keep them shared: the ranks' shards would then differ."""
+    groups = tied_names(model.named_parameters(remove_duplicate=False))
+    groups += tied_names(model.named_buffers(remove_duplicate=False))
+    model.to("meta")
+    tie(model, groups)
+
+
+def tied_names(named_tensors) -> list[list[str]]:
+    """The names under which one tensor appears several times (tied), a list per tensor."""
+    names: dict[torch.Tensor, list[str]] = {}  # tensors hash by identity
+    for name, tensor in named_tensors:
+        names.setdefault(tensor, []).append(name)
+    return [group for group in names.values() if len(group) > 1]
+
+
+def tie(model: nn.Module, groups: list[list[str]]) -> None:
+    """Each group's names made one tensor again: the first name's."""
+    for first, *others in groups:
+        module_name, _, attribute = first.rpartition(".")
+        shared = getattr(model.get_submodule(module_name), attribute)
+        for name in others:
+            module_name, _, attribute = name.rpartition(".")
+            setattr(model.get_submodule(module_name), attribute, shared)
 
 
 def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
@@ -144,9 +174,33 @@ def shard(model: nn.Module, cfg: Config, device: torch.device, blocks) -> None:
     pinned = device.type == "cuda"  # pinned host memory needs a GPU driver
     offload = CPUOffloadPolicy(pin_memory=pinned) if cfg.train.fsdp_cpu_offload else OffloadPolicy()
     policy = mixed_precision(cfg.train.precision)
+    check_ties_within_blocks(model, blocks)
     for block in [m for m in model.modules() if isinstance(m, blocks)]:
         fully_shard(block, offload_policy=offload, mp_policy=policy)
     fully_shard(model, offload_policy=offload, mp_policy=policy)
+
+
+def check_ties_within_blocks(model: nn.Module, blocks) -> None:
+    """Refuse, in one line, tied parameters that sharding per block would split: FSDP
+    gathers each block's parameters on their own, so a tied parameter must be used
+    within one block, or outside every block."""
+    owners = {}  # each parameter name's innermost block, or the root: (its name, the module)
+    for name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, blocks) or module is model:
+            for param_name, _ in module.named_parameters(remove_duplicate=False):
+                owners[f"{name}.{param_name}" if name else param_name] = (name, module)
+
+    def place(name: str) -> str:
+        block_name = owners[name][0]
+        return f"{name} (block {block_name})" if block_name else f"{name} (no block)"
+
+    for group in tied_names(model.named_parameters(remove_duplicate=False)):
+        if len({id(owners[name][1]) for name in group}) > 1:
+            types = sorted({type(owners[name][1]).__name__ for name in group if owners[name][0]})
+            raise TaskError(
+                f"the tied parameters {' and '.join(map(place, group))} are in different FSDP blocks, which cannot "
+                f"share a parameter; take {', '.join(types)} out of model.py's BLOCKS, or use train.strategy=ddp"
+            )
 
 
 def memory_format(cfg: Config) -> torch.memory_format:

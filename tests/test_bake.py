@@ -1,6 +1,8 @@
 """Baking the template: every choice renders, bad answers are refused, hostile text is safe."""
 
 import ast
+import email.parser
+import json
 import re
 import subprocess
 import sys
@@ -63,23 +65,81 @@ def test_bad_slug_is_refused_and_nothing_is_left(tmp_path, slug, problem):
     assert list(tmp_path.iterdir()) == []
 
 
-def test_bad_slug_message_is_one_line_from_the_cli(tmp_path):
+def cookiecutter_cli(out, *args):
+    """Run cookiecutter's command line into the empty folder `out`: its whole output and exit code."""
     result = subprocess.run(
-        [sys.executable, "-m", "cookiecutter", str(TEMPLATE), "--no-input", "-o", str(tmp_path), "project_slug=torch"],
-        capture_output=True,
-        text=True,
+        [sys.executable, "-m", "cookiecutter", *args, "-o", str(out)], capture_output=True, text=True
     )
-    assert result.returncode != 0
-    assert "error: project_slug 'torch' would shadow a module the project imports; rerun with e.g." in result.stderr
-    assert "Traceback" not in result.stderr + result.stdout
-    assert list(tmp_path.iterdir()) == []
+    return result.returncode, result.stdout + result.stderr
+
+
+def replay_file(folder, **answers):
+    """A replay file (as the baked .cookiecutter.json is) with the default answers, overridden by
+    `answers`: the route by which a choice outside its list, or a boolean that is not one,
+    reaches the template (cookiecutter refuses those itself on its command line)."""
+    defaults = {key: value[0] if isinstance(value, list) and key[0] != "_" else value for key, value in CHOICES.items()}
+    defaults.update(project_slug="ddp_classifier", description="Image classification.")
+    path = folder / "answers.json"
+    path.write_text(json.dumps({"cookiecutter": {**defaults, **answers}}))
+    return path
+
+
+# Answers from the command line (key=value), each with the answer its one line must name.
+BAD_CLI_ANSWERS = [
+    ("author", "author=Bob\nRequires-Dist: evilpkg"),  # a header in the wheel's METADATA
+    ("author", "author=Bob\rRequires-Dist: evilpkg"),
+    ("author", "author=Bob\u2028Requires-Dist: evilpkg"),
+    ("author", "author=Bob\x1b[2J"),  # a terminal escape, into LICENSE
+    ("description", "description=One line\nRequires-Dist: evilpkg"),
+    ("project_name", "project_name=My\tProject"),
+    ("project_name", "project_name={{ 7*7 }}"),  # kept literal; its slug '7_7' is no identifier
+    ("project_name", "project_name={% for %}"),  # its slug 'for' is a keyword
+    ("project_name", "project_name="),
+    ("project_name", "project_name=!!!"),
+    ("project_slug", "project_slug={{ cookiecutter.x }}"),
+    ("project_slug", "project_slug=torch"),
+]
+# Answers from a replay file, each with the answer its one line must name.
+BAD_REPLAYED_ANSWERS = [
+    ("task", {"task": "foo"}),
+    ("python_version", {"python_version": "2.7"}),
+    ("license", {"license": "GPL"}),
+    ("ci_workflow", {"ci_workflow": "maybe"}),
+    ("slurm_script", {"slurm_script": 1}),
+    ("author", {"author": "Bob\u0085Requires-Dist: evilpkg"}),
+]
+
+
+def assert_one_error_line_and_nothing_left(returncode, output, answer, out):
+    assert returncode != 0
+    assert "Traceback" not in output
+    lines = output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), output
+    assert f"{answer} " in lines[0] and "rerun with e.g." in lines[0], lines[0]
+    assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize("answer, argument", BAD_CLI_ANSWERS)
+def test_a_bad_answer_is_one_line_from_the_cli_and_nothing_is_left(tmp_path, answer, argument):
+    returncode, output = cookiecutter_cli(tmp_path, str(TEMPLATE), "--no-input", argument)
+    assert_one_error_line_and_nothing_left(returncode, output, answer, tmp_path)
+
+
+@pytest.mark.parametrize("answer, answers", BAD_REPLAYED_ANSWERS)
+def test_a_bad_replayed_answer_is_one_line_and_nothing_is_left(tmp_path, answer, answers):
+    replay = replay_file(tmp_path, **answers)
+    out = tmp_path / "out"
+    out.mkdir()
+    returncode, output = cookiecutter_cli(out, "--replay-file", str(replay), str(TEMPLATE))
+    assert_one_error_line_and_nothing_left(returncode, output, answer, out)
 
 
 def test_name_is_turned_into_a_slug(tmp_path):
     assert bake(tmp_path, project_name="My Great Model").name == "my_great_model"
 
 
-HOSTILE = 'It\'s "quoted"\nand\\back {{ cookiecutter.author }} {% if %} ${{ github }} \u00e9\U0001f600'
+# One line (a line break is refused) of everything else that could break a file it lands in.
+HOSTILE = 'It\'s "quoted" and\\back {{ cookiecutter.author }} {% if %} ${{ github }} \u00e9\U0001f600'
 
 
 @pytest.mark.parametrize("key", ["project_name", "description", "author"])
@@ -95,8 +155,22 @@ def test_hostile_free_text_is_kept_verbatim_and_safe(tmp_path, key):
             ast.parse(path.read_text(), filename=str(path))
 
 
+def test_hostile_text_reaches_the_package_metadata_as_written(tmp_path):
+    """setuptools writes author and description raw into the wheel's METADATA headers: built for
+    real, they hold the text as written and add no header (a line break would have)."""
+    project = bake(tmp_path, project_slug="hostile", author=HOSTILE, description=HOSTILE)
+    build = "from setuptools import build_meta; print(build_meta.prepare_metadata_for_build_wheel('meta'))"
+    (project / "meta").mkdir()
+    name = subprocess.run([sys.executable, "-c", build], cwd=project, capture_output=True, text=True, check=True)
+    text = (project / "meta" / name.stdout.strip().splitlines()[-1] / "METADATA").read_text()
+    headers = email.parser.HeaderParser().parsestr(text)
+    assert headers["Author"] == HOSTILE and headers["Summary"] == HOSTILE
+    declared = tomllib.loads((project / "pyproject.toml").read_text())["project"]["dependencies"]
+    assert [r for r in headers.get_all("Requires-Dist") if "extra ==" not in r] == declared
+
+
 def test_hook_knows_every_module_of_the_project(baked):
-    hook = (TEMPLATE / "hooks" / "pre_gen_project.py").read_text()
+    hook = (TEMPLATE / "local_extensions.py").read_text()
     block = hook[hook.index("PROJECT_MODULES = {") : hook.index("}", hook.index("PROJECT_MODULES = {"))]
     for module in baked.glob("*.py"):
         assert f'"{module.stem}"' in block, f"add {module.stem!r} to PROJECT_MODULES"

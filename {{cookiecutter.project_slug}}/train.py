@@ -38,15 +38,9 @@ from engine.loader import build_train_loader, build_val_loader, move_to_device, 
 from engine.logs import QuietLog, RunLog, log, report_errors
 from engine.memory import freeze_setup_objects, report_memory, set_host_allocator, train_state_mib
 from engine.metrics import evaluate
-from engine.optim import (
-    build_grad_scaler,
-    build_optimizer,
-    build_scheduler,
-    check_precision,
-    describe_lr,
-    scaled_lr,
-)
+from engine.optim import build_optimizer, build_scheduler, describe_lr, scaled_lr
 from engine.parallel import build_and_wrap, is_sharded, memory_format, wrap_again
+from engine.precision import build_grad_scaler, check_precision
 from engine.preemption import StopRequest
 from engine.profiling import profile_steps
 from engine.run_lock import RunLock

@@ -55,7 +55,6 @@ from engine.ema import EMA_KEY, WeightEMA
 from engine.errors import CheckpointError, UsageError
 from engine.freezing import set_requires_grad
 from engine.logs import log
-from engine.optim import scaled_lr
 from engine.seeding import capture_rng_state, restore_rng_state
 from engine.sharded import (
     METADATA_FILE,
@@ -624,17 +623,19 @@ class Checkpointer:
         set_requires_grad(state.model, self.cfg.train, trained_epoch)
         load_weights(state.model, path, ckpt, state.optimizer)
         load_ema(state.ema, path, ckpt)
+        run_lr = state.scheduler.base_lrs[0]  # this run's, before the checkpoint's replaces it
         state.load_state_dict(ckpt)
         if is_main():
             log(f"resumed from {path}: epoch {state.epoch}, step {state.step}")
-        return self.continue_data_position(state, ckpt)
+        return self.continue_data_position(state, ckpt, run_lr)
 
-    def continue_data_position(self, state, ckpt: dict) -> bool:
+    def continue_data_position(self, state, ckpt: dict, run_lr: float) -> bool:
         """Restore this rank's RNG state when the layout is the same; otherwise continue at
-        the same sample of the epoch's permutation, in whole steps. True if restored."""
+        the same sample of the epoch's permutation, in whole steps. True if restored.
+        `run_lr`: the base lr this run's recipe chose, which the checkpoint's replaced."""
         saved, train = ckpt["config"]["train"], self.cfg.train
         saved_lr = state.scheduler.base_lrs[0]
-        changed = not math.isclose(saved_lr, scaled_lr(train, self.env.world_size))
+        changed = not math.isclose(saved_lr, run_lr)
         if is_main() and (changed or any(saved[k] != getattr(train, k) for k in ("momentum", "weight_decay"))):
             log(f"note: the optimizer continues with the checkpoint's lr ({saved_lr:.4g}), momentum and weight_decay")
         if state.batches_done == 0:

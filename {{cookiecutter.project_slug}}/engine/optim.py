@@ -1,4 +1,4 @@
-"""Optimizer, learning-rate schedule and mixed precision, all chosen by config.
+"""Optimizer and learning-rate schedule, chosen by config.
 
 train.lr is the rate for an effective batch of train.reference_batch samples. A run
 with another effective batch (batch_size x processes x accum_steps) scales it: linearly
@@ -13,17 +13,14 @@ warmup and decay are set in epochs, so the curve over the epochs is the same wha
 the world size or accumulation.
 """
 
-import contextlib
 import math
 
 import torch
 import torch.nn as nn
 
-from engine.config import Config, TrainConfig, effective_batch
-from engine.errors import ConfigError
+from engine.config import TrainConfig, effective_batch
 from engine.freezing import trains_later
 
-AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 # Below this many steps per epoch, the effective batch is a large share of the data: the
 # scaled lr has too few updates to work with (seen here: 2 steps per epoch diverge).
 FEW_STEPS = 8
@@ -110,21 +107,3 @@ def build_scheduler(optimizer, cfg: TrainConfig, steps_per_epoch: int):
     groups = optimizer.param_groups  # build_optimizer's, which mark the parameters frozen for a while
     factors = [unfrozen_factor if group.get("unfrozen_later") else factor for group in groups]
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
-
-
-def check_precision(cfg: Config, device: torch.device) -> None:
-    if cfg.train.precision == "fp16" and device.type != "cuda":
-        raise ConfigError("train.precision=fp16 needs a CUDA GPU; use bf16 or fp32 on CPU")
-
-
-def autocast(precision: str, device: torch.device):
-    """A context for forward passes: autocast for bf16/fp16, a no-op for fp32."""
-    if precision == "fp32":
-        return contextlib.nullcontext()
-    return torch.autocast(device.type, dtype=AMP_DTYPES[precision])
-
-
-def build_grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
-    # fp16 gradients underflow without loss scaling; bf16 and fp32 do not need it. A
-    # disabled scaler passes everything through unchanged, so the loop has one shape.
-    return torch.amp.GradScaler(device.type, enabled=precision == "fp16")

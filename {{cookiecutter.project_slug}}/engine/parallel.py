@@ -26,7 +26,7 @@ from engine.config import Config
 from engine.distributed import DistEnv, is_main, stop_all_if_any_fails
 from engine.errors import TaskError
 from engine.logs import log
-from engine.optim import AMP_DTYPES
+from engine.precision import AMP_DTYPES
 
 FROM_RANK_0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 

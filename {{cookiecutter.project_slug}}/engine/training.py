@@ -28,7 +28,7 @@ from engine.early_stopping import EarlyStopping
 from engine.ema import EMA_KEY, WeightEMA
 from engine.errors import TaskError, UsageError
 from engine.freezing import Freezing
-from engine.optim import autocast
+from engine.precision import autocast
 from engine.sharded import sharded_state_dict
 
 FULL = StateDictOptions(full_state_dict=True)

@@ -27,7 +27,8 @@ from engine.checkpoint import (
 from engine.config import Config
 from engine.distributed import DistEnv
 from engine.divergence import NonFiniteGuard
-from engine.optim import build_grad_scaler, build_optimizer, build_scheduler
+from engine.optim import build_optimizer, build_scheduler
+from engine.precision import build_grad_scaler
 from engine.seeding import capture_rng_state
 from engine.sharded import load_full, load_sharded, save_sharded, sharded_state_dict
 from engine.training import TrainState

@@ -210,12 +210,7 @@ def report_errors(main):
                 say_last(f"error: {prefix}{last_line(error)}", 2)
             raise SystemExit(2) from None
         except MemoryError:  # host memory: the data, the batch or the model is larger than this machine holds
-            say_last(
-                f"error: {'' if is_main() else f'rank {get_rank()}: '}out of host memory; use smaller data, "
-                "batches (train.batch_size) or model, fewer DataLoader workers, or a machine with more memory",
-                1,
-            )
-            raise SystemExit(1) from None
+            out_of_host_memory()
         except KeyboardInterrupt:  # a second Ctrl-C (the first asks for a stop with a checkpoint)
             if is_main():
                 say_last(
@@ -225,6 +220,8 @@ def report_errors(main):
                 )
             raise SystemExit(130) from None  # as a shell reports a process ended by SIGINT
         except RuntimeError as error:
+            if HOST_ALLOCATION_FAILED in str(error):  # torch's own MemoryError
+                out_of_host_memory()
             if not lost_peer(error):
                 raise
             # Every survivor says it: rank 0 may be the process that died.
@@ -239,6 +236,18 @@ def report_errors(main):
             raise SystemExit(1) from None
 
     return wrapper
+
+
+HOST_ALLOCATION_FAILED = "DefaultCPUAllocator: can't allocate memory"
+
+
+def out_of_host_memory() -> None:
+    say_last(
+        f"error: {'' if is_main() else f'rank {get_rank()}: '}out of host memory; use smaller data, "
+        "batches (train.batch_size) or model, fewer DataLoader workers, or a machine with more memory",
+        1,
+    )
+    raise SystemExit(1) from None
 
 
 def last_line(error: Exception) -> str:

@@ -7,6 +7,7 @@ import os
 import subprocess
 
 import pytest
+import torch
 
 from conftest import FAST, finish, read_metrics, run_script, start_script, wait_for_line
 from engine.errors import UsageError
@@ -135,12 +136,16 @@ def test_a_full_disk_at_start_names_the_file_it_could_not_write(small_disk):
     assert not (out / "run.lock").exists()  # released: the same command works once there is room
 
 
-def test_out_of_memory_is_one_line(capsys):
+@pytest.mark.parametrize("what", ["MemoryError", "torch's allocator"])
+def test_out_of_memory_is_one_line(capsys, what):
     @report_errors
     def main():
-        raise MemoryError
+        if what == "MemoryError":
+            raise MemoryError
+        torch.empty(2**62, dtype=torch.uint8)  # RuntimeError: DefaultCPUAllocator: can't allocate memory
 
     with pytest.raises(SystemExit) as stopped:
         main()
     assert stopped.value.code == 1
-    assert capsys.readouterr().err.startswith("error: out of host memory; use smaller data")
+    err = capsys.readouterr().err
+    assert err.startswith("error: out of host memory; use smaller data") and err.count("\n") == 1, err

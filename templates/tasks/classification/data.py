@@ -34,6 +34,7 @@ from torchvision.transforms import v2
 
 from engine.config import check_choice, check_positive
 from engine.errors import ConfigError, UsageError
+from engine.seeding import derive_seed
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 
@@ -95,9 +96,7 @@ def build_datasets(cfg) -> tuple[Dataset, Dataset]:
 def count_classes(cfg) -> int:
     """The number of classes: data.num_classes for synthetic data, else the data's own."""
     if cfg.data.name == "imagefolder":
-        folder = Path(cfg.data.root) / "train"
-        check_class_folders(folder, "train")
-        return sum(1 for p in folder.iterdir() if p.is_dir())
+        return len(class_names(Path(cfg.data.root) / "train", "train"))
     if cfg.data.name == "cifar10":
         return 10
     return cfg.data.num_classes
@@ -119,28 +118,39 @@ class SyntheticImages(Dataset):
     small part, which training's random crops move around: the demo's mlp is at val_acc
     about 0.3 after its first epoch (the clear classes) and above 0.9 after its fifth. In
     images of MARK_SIZE or smaller (8x8 in the tests) a mark fills the image: quick to learn.
-    Stored as one uint8 tensor (not a list of objects).
+
+    A sample is made when it is read, from its own generator seeded by (seed, split,
+    index): the set's size costs no memory (data.train_size=10**9 fits as well as 4096),
+    and a larger set begins with the same samples as a smaller one.
     """
 
     def __init__(self, size, num_classes, image_size, seed, split, transform=None):
-        patterns = class_patterns(num_classes, image_size, torch.Generator().manual_seed(seed))
-        g = torch.Generator().manual_seed(seed * 2 + (split == "val") + 1)
-        self.labels = torch.randint(num_classes, (size,), generator=g)
-        brightness = 0.6 + 0.8 * torch.rand(size, 1, 1, 1, generator=g)
-        noise = 0.05 * torch.randn(size, 3, image_size, image_size, generator=g)
-        images = (patterns[self.labels] - 0.5) * brightness + 0.5 + noise
-        self.images = (images.clamp(0, 1) * 255).round().to(torch.uint8)
+        self.size = size
+        self.patterns = class_patterns(num_classes, image_size, torch.Generator().manual_seed(seed))
+        self.seed, self.split_id = seed, int(split == "val")
         self.transform = transform
         self.classes = [f"class_{i}" for i in range(num_classes)]
 
     def __len__(self):
-        return len(self.labels)
+        return self.size
 
     def __getitem__(self, index):
-        image = self.images[index].float().div_(255)  # .float() makes a fresh copy
+        if not 0 <= index < self.size:  # any index could be made: keep `for x in dataset` finite
+            raise IndexError(f"sample {index} of {self.size}")
+        g = torch.Generator().manual_seed(derive_seed(self.seed, SYNTHETIC_STREAM, self.split_id, index))
+        label = int(torch.randint(len(self.patterns), (), generator=g))
+        brightness = 0.6 + 0.8 * torch.rand((), generator=g)
+        noise = 0.05 * torch.randn(self.patterns.shape[1:], generator=g)
+        image = (self.patterns[label] - 0.5) * brightness + 0.5 + noise
+        image = image.clamp_(0, 1).mul_(255).add_(0.5).to(torch.uint8).float().div_(255)  # 8 bits, as image files
         if self.transform is not None:
             image = self.transform(image)
-        return image, int(self.labels[index])
+        return image, label
+
+
+# A tag in derive_seed's parts: synthetic samples' generators never share a seed with
+# the run's other streams (model init, dropout, augmentation), which use fewer parts.
+SYNTHETIC_STREAM = 0x5EED
 
 
 MARK_SIZE = 10  # pixels: a small part of a 32x32 image, all of an 8x8 one
@@ -186,14 +196,15 @@ def mirrored_and_smoothed(half: torch.Tensor, image_size: int) -> torch.Tensor:
 
 
 def image_folder(root: Path, image_size: int, train_tf) -> tuple[Dataset, Dataset]:
-    """<root>/train/<class>/<image> and <root>/val/<class>/<image>."""
+    """<root>/train/<class>/<image> and <root>/val/<class>/<image>. Labels are indices
+    in train/'s sorted class folders, in both splits: val/ may lack a class, but a class
+    folder train/ does not have is an error (the model never learns it)."""
+    classes = class_names(root / "train", "train")
+    check_val_classes(root / "val", classes)
     resize = [v2.ToImage(), v2.Resize(image_size), v2.CenterCrop(image_size), v2.ToDtype(torch.float32, scale=True)]
-    splits = []
-    for split, tf in (("train", train_tf), ("val", v2.Normalize(MEAN, STD))):
-        folder = root / split
-        check_class_folders(folder, split)
-        splits.append(ImageFiles(folder, v2.Compose([*resize, tf])))
-    return splits[0], splits[1]
+    train = ImageFiles(root / "train", classes, v2.Compose([*resize, train_tf]))
+    val = ImageFiles(root / "val", classes, v2.Compose([*resize, v2.Normalize(MEAN, STD)]))
+    return train, val
 
 
 class ImageFiles(Dataset):
@@ -202,15 +213,19 @@ class ImageFiles(Dataset):
     Paths live in one numpy byte-string array and labels in one tensor, not in a list
     of (path, label) tuples: DataLoader workers touching a list of Python objects bump
     their reference counts, which copies the memory pages into every worker over time.
+
+    `classes` are the label names, in label order: the same list for every split, so
+    that a class has one label everywhere; a folder may lack some of them.
     """
 
-    def __init__(self, folder: Path, transform):
-        from torchvision.datasets import ImageFolder
+    def __init__(self, folder: Path, classes: list[str], transform):
+        from torchvision.datasets.folder import IMG_EXTENSIONS, make_dataset
 
-        found = ImageFolder(str(folder))  # only to list files and classes
-        self.classes = found.classes
-        self.paths = np.array([os.fsencode(path) for path, _ in found.samples])
-        self.labels = torch.tensor([label for _, label in found.samples])
+        class_to_index = {name: label for label, name in enumerate(classes)}
+        samples = make_dataset(str(folder), class_to_index, extensions=IMG_EXTENSIONS, allow_empty=True)
+        self.classes = list(classes)
+        self.paths = np.array([os.fsencode(path) for path, _ in samples])
+        self.labels = torch.tensor([label for _, label in samples], dtype=torch.int64)
         self.transform = transform
 
     def __len__(self):
@@ -219,6 +234,21 @@ class ImageFiles(Dataset):
     def __getitem__(self, index):
         image = read_image(os.fsdecode(self.paths[index]))
         return self.transform(image), int(self.labels[index])
+
+
+def class_names(folder: Path, split: str) -> list[str]:
+    """The sorted class folder names of one split, each checked to hold images."""
+    check_class_folders(folder, split)
+    return sorted(p.name for p in folder.iterdir() if p.is_dir())
+
+
+def check_val_classes(folder: Path, train_classes: list[str]) -> None:
+    unknown = sorted(set(class_names(folder, "val")) - set(train_classes))
+    if unknown:
+        raise DataError(
+            f"data.root: {str(folder)!r} has class folder(s) {', '.join(map(repr, unknown))} that train/ lacks "
+            f"(train/ has {', '.join(map(repr, train_classes))}); rename or remove them: labels are train/'s classes"
+        )
 
 
 def check_class_folders(folder: Path, split: str) -> None:
@@ -238,13 +268,25 @@ def check_class_folders(folder: Path, split: str) -> None:
 
 
 def read_image(path: str):
-    from PIL import Image
+    """The one place image files are read: whatever is wrong with a file is one line
+    naming it."""
+    from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as image:
             return image.convert("RGB")
+    except Image.DecompressionBombError:  # not an OSError: PIL refuses to decode it at all
+        raise DataError(
+            f"image {path} has more pixels than PIL opens (its guard against decompression bombs); resize it, "
+            "or if images this large are intended, raise PIL.Image.MAX_IMAGE_PIXELS at the top of data.py"
+        ) from None
+    except FileNotFoundError:
+        raise DataError(f"image {path} is missing (it was there when the run listed data.root); put it back") from None
+    except UnidentifiedImageError:
+        what = "is empty (0 bytes)" if os.path.getsize(path) == 0 else "is not an image PIL can read"
+        raise DataError(f"image {path} {what}; replace or remove it") from None
     except (OSError, ValueError) as error:
-        raise DataError(f"cannot read image {path}: {error}") from None
+        raise DataError(f"cannot read image {path}: {error}; replace or remove it") from None
 
 
 def cifar10(root: Path, train_tf, val_tf) -> tuple[Dataset, Dataset]:

@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -19,12 +21,37 @@ def datasets(*overrides):
     return build_datasets(project_config(None, ["data.train_size=64", "data.val_size=13", *overrides]))
 
 
+def all_samples(dataset):
+    images, labels = zip(*(dataset[i] for i in range(len(dataset))), strict=True)
+    return torch.stack(images), torch.tensor(labels)
+
+
 def test_synthetic_data_is_made_from_the_seed():
-    a, _ = datasets()
-    b, _ = datasets()
-    c, _ = datasets("seed=1")
-    assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
-    assert not torch.equal(a.images, c.images)
+    a, a_val = datasets("data.augment=false")
+    b, _ = datasets("data.augment=false")
+    c, _ = datasets("data.augment=false", "seed=1")
+    (a_images, a_labels), (b_images, b_labels) = all_samples(a), all_samples(b)
+    assert torch.equal(a_images, b_images) and torch.equal(a_labels, b_labels)
+    assert not torch.equal(a_images, all_samples(c)[0])
+    assert set(a_labels.tolist()) == set(range(10))
+    assert not torch.equal(a_images[:13], all_samples(a_val)[0])  # the splits differ
+    # A sample is a function of (seed, split, index): a larger set begins with the same samples.
+    larger, _ = datasets("data.augment=false", "data.train_size=100")
+    assert torch.equal(all_samples(larger)[0][:64], a_images)
+
+
+def test_synthetic_data_of_any_size_costs_no_memory():
+    """Samples are made when read, so data.train_size=10**9 fits (was: the whole set made
+    up front, an allocation error for anything past the machine's memory)."""
+    import pickle
+
+    train, _ = datasets("data.augment=false", f"data.train_size={10**12}")
+    assert len(train) == 10**12
+    image, label = train[10**12 - 1]
+    assert image.shape == (3, 32, 32) and 0 <= label < 10
+    assert torch.equal(train[10**12 - 1][0], image)
+    small, _ = datasets("data.augment=false")
+    assert len(pickle.dumps(train)) <= len(pickle.dumps(small)) + 100  # what every DataLoader worker copies
 
 
 def test_samples_are_fresh_copies():
@@ -114,6 +141,83 @@ def test_image_folder_keeps_metadata_in_arrays(tmp_path):
         (tmp_path / label).mkdir()
         for i in range(3):
             Image.new("RGB", (4, 4), (i, 0, 0)).save(tmp_path / label / f"{i}.png")
-    files = ImageFiles(tmp_path, transform=lambda image: image)
+    files = ImageFiles(tmp_path, ["a", "b"], transform=lambda image: image)
     assert isinstance(files.paths, np.ndarray) and isinstance(files.labels, torch.Tensor)
     assert files.classes == ["a", "b"] and len(files) == 6 and files[4][1] == 1
+
+
+def write_image_folder(root, classes_by_split: dict, images_per_class=2):
+    """<root>/<split>/<class>/<n>.png, tiny images."""
+    from PIL import Image
+
+    for split, classes in classes_by_split.items():
+        for name in classes:
+            (root / split / name).mkdir(parents=True)
+            for n in range(images_per_class):
+                Image.new("RGB", (4, 4), (10 * n, 0, 0)).save(root / split / name / f"{n}.png")
+
+
+def image_folder_datasets(root, *overrides):
+    return datasets("data.name=imagefolder", f"data.root={root}", "data.image_size=4", "data.augment=false", *overrides)
+
+
+def test_val_folder_lacking_a_class_is_labelled_with_train_class_indices(tmp_path):
+    """val/ without class b: its c images are label 2, as in train/ (was: val/'s own
+    sorted folders made c label 1, so val_acc counted right answers as wrong)."""
+    from pathlib import Path
+
+    write_image_folder(tmp_path, {"train": ["a", "b", "c"], "val": ["a", "c"]})
+    train, val = image_folder_datasets(tmp_path)
+    assert train.classes == val.classes == ["a", "b", "c"]
+    val_labels = [val[i][1] for i in range(len(val))]
+    val_class_names = [Path(os.fsdecode(path)).parent.name for path in val.paths]
+    assert val_labels == [train.classes.index(name) for name in val_class_names] == [0, 0, 2, 2]
+
+
+@pytest.mark.parametrize(
+    "val_classes, unknown",
+    [(["a", "b", "c", "d"], "'d'"), (["a", "bee", "c"], "'bee'")],
+    ids=["extra", "renamed"],
+)
+def test_val_class_unknown_to_train_is_one_line(tmp_path, val_classes, unknown):
+    write_image_folder(tmp_path, {"train": ["a", "b", "c"], "val": val_classes})
+    with pytest.raises(DataError) as error:
+        image_folder_datasets(tmp_path)
+    message = str(error.value)
+    assert "\n" not in message and unknown in message and str(tmp_path / "val") in message, message
+
+
+def write_huge_png(path, width=40_000, height=40_000):
+    """A tiny valid PNG whose header claims width x height pixels (with a correct CRC)."""
+    import io
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buffer, "PNG")
+    png = bytearray(buffer.getvalue())
+    png[16:24] = struct.pack(">II", width, height)  # IHDR's data starts after signature, length and type
+    png[29:33] = struct.pack(">I", zlib.crc32(bytes(png[12:29])))  # CRC of IHDR's type and data
+    path.write_bytes(bytes(png))
+
+
+BAD_IMAGES = {
+    "huge.png": (write_huge_png, "PIL.Image.MAX_IMAGE_PIXELS"),
+    "text.png": (lambda path: path.write_text("not an image"), "is not an image"),
+    "empty.jpg": (lambda path: path.write_bytes(b""), "is empty"),
+}
+
+
+@pytest.mark.parametrize("name", BAD_IMAGES)
+def test_unreadable_images_are_one_line_naming_the_file(tmp_path, name):
+    write_image_folder(tmp_path, {"train": ["a"], "val": ["a"]})
+    write, advice = BAD_IMAGES[name]
+    bad = tmp_path / "train" / "a" / name
+    write(bad)
+    train, _ = image_folder_datasets(tmp_path)
+    with pytest.raises(DataError) as error:
+        train[[os.fsdecode(path) for path in train.paths].index(str(bad))]
+    message = str(error.value)
+    assert "\n" not in message and str(bad) in message and advice in message, message

@@ -32,6 +32,7 @@ from torchvision.transforms import v2
 
 from engine.config import check_choice, check_positive
 from engine.errors import ConfigError, UsageError
+from engine.seeding import derive_seed
 
 
 @dataclass
@@ -75,7 +76,8 @@ def build_datasets(cfg) -> tuple[Dataset, Dataset]:
     if data.name == "coco":
         root = Path(data.root)
         train = CocoFiles(root, data.train_split, data.num_classes, train_tf)
-        return train, CocoFiles(root, data.val_split, data.num_classes, val_tf)
+        # Labels follow the train split's categories in both splits, as the model learns them.
+        return train, CocoFiles(root, data.val_split, data.num_classes, val_tf, train.categories)
     raise ConfigError(f"unknown data.name {data.name!r}: add it to build_datasets in data.py")
 
 
@@ -106,49 +108,59 @@ def make_sample(image: torch.Tensor, boxes: torch.Tensor, labels: torch.Tensor, 
 class SyntheticObjects(Dataset):
     """1 to 4 non-overlapping rectangles and ellipses of the foreground classes on a noisy
     background, made from the seed alone: no download, the same on every rank. Each
-    class has its own colour, so a small detector learns it in minutes. Stored as
-    tensors: images uint8, and every box in one array indexed by per-image offsets."""
+    class has its own colour, so a small detector learns it in minutes.
+
+    A sample is made when it is read, from its own generator seeded by (seed, split,
+    index): the set's size costs no memory, and a larger set begins with the same
+    samples as a smaller one."""
 
     def __init__(self, size, num_classes, image_size, seed, split, transform):
-        colours = torch.rand(num_classes, 3, generator=torch.Generator().manual_seed(seed))
-        g = torch.Generator().manual_seed(seed * 2 + (split == "val") + 1)
-        classes = torch.zeros(size, image_size, image_size, dtype=torch.long)
-        ys, xs = torch.meshgrid(torch.arange(image_size), torch.arange(image_size), indexing="ij")
-        all_boxes, all_labels, counts = [], [], []
-        for canvas in classes:
-            boxes = []
-            for _ in range(int(torch.randint(1, 5, (), generator=g))):
-                w, h = torch.randint(image_size // 6, image_size // 2, (2,), generator=g).tolist()
-                x1 = int(torch.randint(image_size - w, (), generator=g))
-                y1 = int(torch.randint(image_size - h, (), generator=g))
-                box = (x1, y1, x1 + w, y1 + h)
-                if any(overlap(box, other) for other in boxes):
-                    continue
-                cls = int(torch.randint(1, num_classes, (), generator=g))
-                inside = (xs >= x1) & (xs < x1 + w) & (ys >= y1) & (ys < y1 + h)
-                if torch.rand((), generator=g) < 0.5:
-                    inside &= ((2 * (xs - x1) + 1 - w) / w) ** 2 + ((2 * (ys - y1) + 1 - h) / h) ** 2 <= 1
-                canvas[inside] = cls
-                boxes.append(box)
-                all_labels.append(cls)
-            all_boxes += boxes
-            counts.append(len(boxes))
-        images = colours[classes].permute(0, 3, 1, 2)
-        images = images + 0.25 * torch.randn(images.shape, generator=g)
-        self.images = (images.clamp(0, 1) * 255).round().to(torch.uint8)
-        self.boxes = torch.tensor(all_boxes, dtype=torch.float32)
-        self.labels = torch.tensor(all_labels, dtype=torch.int64)
-        self.offsets = torch.tensor([0, *counts]).cumsum(0)
+        self.size, self.num_classes, self.image_size = size, num_classes, image_size
+        self.colours = torch.rand(num_classes, 3, generator=torch.Generator().manual_seed(seed))
+        self.seed, self.split_id = seed, int(split == "val")
         self.transform = transform
 
     def __len__(self):
-        return len(self.images)
+        return self.size
 
     def __getitem__(self, index):
-        start, end = self.offsets[index], self.offsets[index + 1]
-        return make_sample(
-            self.images[index].clone(), self.boxes[start:end].clone(), self.labels[start:end].clone(), self.transform
-        )
+        if not 0 <= index < self.size:  # any index could be made: keep `for x in dataset` finite
+            raise IndexError(f"sample {index} of {self.size}")
+        g = torch.Generator().manual_seed(derive_seed(self.seed, SYNTHETIC_STREAM, self.split_id, index))
+        size = self.image_size
+        canvas = torch.zeros(size, size, dtype=torch.long)  # each pixel's class
+        boxes, labels = [], []
+        for _ in range(int(torch.randint(1, 5, (), generator=g))):
+            w, h = torch.randint(size // 6, size // 2, (2,), generator=g).tolist()
+            x1 = int(torch.randint(size - w, (), generator=g))
+            y1 = int(torch.randint(size - h, (), generator=g))
+            box = (x1, y1, x1 + w, y1 + h)
+            if any(overlap(box, other) for other in boxes):
+                continue
+            cls = int(torch.randint(1, self.num_classes, (), generator=g))
+            draw_shape(canvas[y1 : y1 + h, x1 : x1 + w], cls, ellipse=bool(torch.rand((), generator=g) < 0.5))
+            boxes.append(box)
+            labels.append(cls)
+        image = self.colours[canvas].permute(2, 0, 1)
+        image = image + 0.25 * torch.randn(image.shape, generator=g)
+        image = image.clamp_(0, 1).mul_(255).add_(0.5).to(torch.uint8)  # 8 bits, as image files
+        boxes = torch.tensor(boxes, dtype=torch.float32).reshape(-1, 4)
+        return make_sample(image, boxes, torch.tensor(labels, dtype=torch.int64), self.transform)
+
+
+# A tag in derive_seed's parts: synthetic samples' generators never share a seed with
+# the run's other streams (model init, dropout, augmentation), which use fewer parts.
+SYNTHETIC_STREAM = 0x5EED
+
+
+def draw_shape(window: torch.Tensor, cls: int, ellipse: bool) -> None:
+    """Fill `window` (a box of the canvas) with a rectangle or the ellipse inside it."""
+    if not ellipse:
+        window.fill_(cls)
+        return
+    h, w = window.shape
+    ys, xs = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    window[((2 * xs + 1 - w) / w) ** 2 + ((2 * ys + 1 - h) / h) ** 2 <= 1] = cls
 
 
 def overlap(a: tuple, b: tuple) -> bool:
@@ -160,36 +172,57 @@ class CocoFiles(Dataset):
     images in <root>/<split>/. Category ids (any numbers) become labels 1..K in sorted
     order; crowd regions and boxes without area are left out.
 
+    `categories` ({id: name}) are the categories labels are made from: the train
+    split's, for the val split, so that a category has one label in both (val may lack
+    some; one train lacks, or names otherwise, is an error). None: this split's own.
+
     File names, boxes and labels live in numpy arrays (boxes of all images in one array
     with per-image offsets), not lists of Python objects, so DataLoader workers do not
     copy them page by page."""
 
-    def __init__(self, root: Path, split: str, num_classes: int, transform):
+    def __init__(self, root: Path, split: str, num_classes: int, transform, categories: dict | None = None):
         path = root / "annotations" / f"instances_{split}.json"
         coco = read_json(path)
         try:
-            categories = sorted(category["id"] for category in coco["categories"])
+            own_categories = {category["id"]: category["name"] for category in coco["categories"]}
             images = sorted(coco["images"], key=lambda image: image["id"])
             annotations = coco["annotations"]
-            labels = {category_id: label for label, category_id in enumerate(categories, start=1)}
             by_image = {image["id"]: [] for image in images}
-            for annotation in annotations:
-                x, y, w, h = annotation["bbox"]
-                if not annotation.get("iscrowd", 0) and w > 0 and h > 0:
-                    by_image[annotation["image_id"]].append((x, y, x + w, y + h, labels[annotation["category_id"]]))
+            sizes = [(image.get("height", -1), image.get("width", -1)) for image in images]
         except (KeyError, TypeError, ValueError) as error:
             raise DataError(f"{path}: not COCO instances format ({type(error).__name__}: {error})") from None
+        if categories is None:
+            categories = own_categories
+        else:
+            check_same_categories(own_categories, categories, path)
         if len(categories) >= num_classes:
             raise ConfigError(
                 f"{path} has {len(categories)} categories: set data.num_classes={len(categories) + 1} (with background)"
             )
         if not images:
             raise DataError(f"{path} lists no images")
+        labels = {category_id: label for label, category_id in enumerate(sorted(categories), start=1)}
+        try:
+            for annotation in annotations:
+                x, y, w, h = annotation["bbox"]
+                if not annotation.get("iscrowd", 0) and w > 0 and h > 0:
+                    label = labels.get(annotation["category_id"])
+                    if label is None:
+                        raise DataError(
+                            f"{path}: annotation {annotation.get('id')} has category_id {annotation['category_id']}, "
+                            "which the train split's json does not list; fix it or add the category there"
+                        )
+                    by_image[annotation["image_id"]].append((x, y, x + w, y + h, label))
+        except (KeyError, TypeError, ValueError) as error:
+            raise DataError(f"{path}: not COCO instances format ({type(error).__name__}: {error})") from None
         rows = [row for image in images for row in by_image[image["id"]]]
         table = np.array(rows, dtype=np.float32).reshape(-1, 5)
+        self.categories = categories
         self.boxes, self.labels = table[:, :4], table[:, 4].astype(np.int64)
         self.offsets = np.cumsum([0] + [len(by_image[image["id"]]) for image in images])
         self.files = np.array([os.fsencode(root / split / image["file_name"]) for image in images])
+        self.sizes = np.array(sizes, dtype=np.int64)  # (height, width) as the json says, -1 if it does not
+        self.json = str(path)
         self.transform = transform
 
     def __len__(self):
@@ -197,9 +230,36 @@ class CocoFiles(Dataset):
 
     def __getitem__(self, index):
         start, end = self.offsets[index], self.offsets[index + 1]
-        image = read_rgb(Path(os.fsdecode(self.files[index])))
+        path = Path(os.fsdecode(self.files[index]))
+        image = read_rgb(path)
+        check_size(image, self.sizes[index], path, self.json)
         boxes, labels = torch.from_numpy(self.boxes[start:end].copy()), torch.from_numpy(self.labels[start:end].copy())
         return make_sample(image, boxes, labels, self.transform)
+
+
+def check_same_categories(categories: dict, train_categories: dict, path: Path) -> None:
+    """The val split's categories must be the train split's (some may be missing)."""
+    for category_id, name in sorted(categories.items()):
+        if category_id not in train_categories:
+            raise DataError(
+                f"{path}: category {category_id} ({name!r}) is not among the train split's categories "
+                "(labels are the train split's); remove it here or add it there"
+            )
+        if name != train_categories[category_id]:
+            raise DataError(
+                f"{path}: category {category_id} is {name!r} here but {train_categories[category_id]!r} in the "
+                "train split's json; give it one name in both"
+            )
+
+
+def check_size(image: torch.Tensor, json_size, path: Path, json_path: str) -> None:
+    """Boxes are in the json's pixels: on an image of another size they mark wrong places."""
+    height, width = (int(n) for n in json_size)
+    if height >= 0 and width >= 0 and tuple(image.shape[-2:]) != (height, width):
+        raise DataError(
+            f"image {path} is {image.shape[-1]}x{image.shape[-2]} pixels but {json_path} says {width}x{height}, "
+            "the pixels its boxes are in; put back the original image or fix the json"
+        )
 
 
 def read_json(path: Path) -> dict:
@@ -215,10 +275,22 @@ def read_json(path: Path) -> dict:
 
 
 def read_rgb(path: Path) -> torch.Tensor:
-    from PIL import Image
+    """The one place image files are read: whatever is wrong with a file is one line
+    naming it. [3, H, W] uint8."""
+    from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as image:
             return torch.from_numpy(np.array(image.convert("RGB"))).permute(2, 0, 1).contiguous()
+    except Image.DecompressionBombError:  # not an OSError: PIL refuses to decode it at all
+        raise DataError(
+            f"image {path} has more pixels than PIL opens (its guard against decompression bombs); resize it, "
+            "or if images this large are intended, raise PIL.Image.MAX_IMAGE_PIXELS at the top of data.py"
+        ) from None
+    except FileNotFoundError:
+        raise DataError(f"image {path} is missing; the json lists it: put it there or fix its file_name") from None
+    except UnidentifiedImageError:
+        what = "is empty (0 bytes)" if os.path.getsize(path) == 0 else "is not an image PIL can read"
+        raise DataError(f"image {path} {what}; replace or remove it") from None
     except (OSError, ValueError) as error:
-        raise DataError(f"cannot read {path}: {error}") from None
+        raise DataError(f"cannot read image {path}: {error}; replace or remove it") from None

@@ -16,14 +16,39 @@ def datasets(*overrides):
     return build_datasets(project_config(None, ["data.train_size=16", "data.val_size=5", *overrides]))
 
 
+def all_samples(dataset):
+    """Every image stacked, and every box and label of every image in one tensor each."""
+    images, targets = zip(*(dataset[i] for i in range(len(dataset))), strict=True)
+    boxes, labels = (torch.cat([target[key] for target in targets]) for key in ("boxes", "labels"))
+    return torch.stack(images), boxes, labels
+
+
 def test_synthetic_data_is_made_from_the_seed():
-    a, _ = datasets()
-    b, _ = datasets()
-    c, _ = datasets("seed=1")
-    assert torch.equal(a.images, b.images) and torch.equal(a.boxes, b.boxes)
-    assert not torch.equal(a.images, c.images)
-    assert set(a.labels.tolist()) == {1, 2, 3}  # 3 classes besides background
-    assert a.boxes.min() >= 0 and a.boxes.max() <= 128
+    a, a_val = datasets("data.augment=false")
+    b, _ = datasets("data.augment=false")
+    c, _ = datasets("data.augment=false", "seed=1")
+    (a_images, a_boxes, a_labels), (b_images, b_boxes, b_labels) = all_samples(a), all_samples(b)
+    assert torch.equal(a_images, b_images) and torch.equal(a_boxes, b_boxes) and torch.equal(a_labels, b_labels)
+    assert not torch.equal(a_images, all_samples(c)[0])
+    assert not torch.equal(a_images[:5], all_samples(a_val)[0])  # the splits differ
+    assert set(a_labels.tolist()) == {1, 2, 3}  # 3 classes besides background
+    assert a_boxes.min() >= 0 and a_boxes.max() <= 128
+    # A sample is a function of (seed, split, index): a larger set begins with the same samples.
+    larger, _ = datasets("data.augment=false", "data.train_size=20")
+    assert torch.equal(all_samples(larger)[0][:16], a_images)
+
+
+def test_synthetic_data_of_any_size_costs_no_memory():
+    """Samples are made when read, so data.train_size=10**9 fits (was: the whole set made
+    up front, an allocation error for anything past the machine's memory)."""
+    import pickle
+
+    train, _ = datasets("data.augment=false", f"data.train_size={10**12}")
+    assert len(train) == 10**12
+    image, target = train[10**12 - 1]
+    assert image.shape == (3, 128, 128) and torch.equal(train[10**12 - 1][1]["boxes"], target["boxes"])
+    small, _ = datasets("data.augment=false")
+    assert len(pickle.dumps(train)) <= len(pickle.dumps(small)) + 100  # what every DataLoader worker copies
 
 
 def test_samples_are_fresh_copies_and_batches_are_lists():
@@ -72,14 +97,16 @@ def centre(image: torch.Tensor, box: list[int]) -> torch.Tensor:
     return image[:, y - 1 : y + 2, x - 1 : x + 2].mean(dim=(1, 2))
 
 
-def write_coco(root, split, images, annotations, categories=(3, 7)):
+def write_coco(root, split, images, annotations, categories=(3, 7), names=None):
     from PIL import Image
 
     (root / split).mkdir(parents=True)
     (root / "annotations").mkdir(exist_ok=True)
     for image in images:
         Image.new("RGB", (image["width"], image["height"]), (200, 100, 50)).save(root / split / image["file_name"])
-    coco = {"images": images, "annotations": annotations, "categories": [{"id": i, "name": str(i)} for i in categories]}
+    names = names or [str(i) for i in categories]
+    categories = [{"id": i, "name": name} for i, name in zip(categories, names, strict=True)]
+    coco = {"images": images, "annotations": annotations, "categories": categories}
     (root / "annotations" / f"instances_{split}.json").write_text(json.dumps(coco))
 
 
@@ -130,3 +157,87 @@ def test_missing_coco_files_are_one_line_errors(tmp_path, missing):
         train, _ = coco_datasets(tmp_path)
         train[0]
     assert "\n" not in str(error.value) and str(tmp_path / missing) in str(error.value)
+
+
+def test_val_split_lacking_a_category_is_labelled_with_train_labels(tmp_path):
+    """val's json lists only category 7: its boxes are label 2, as in train (was: val's
+    own sorted categories made 7 label 1, so val_map scored right boxes as wrong)."""
+    write_coco(tmp_path, "t", IMAGES, ANNOTATIONS)
+    write_coco(tmp_path, "v", IMAGES[1:2], ANNOTATIONS[:1], categories=(7,))
+    _, val = coco_datasets(tmp_path, "data.augment=false")
+    assert val[0][1]["labels"].tolist() == [2]
+
+
+@pytest.mark.parametrize(
+    "categories, names, named",
+    [((3, 7, 9), ("3", "7", "9"), "category 9 ('9')"), ((3, 7), ("3", "seven"), "category 7 is 'seven'")],
+    ids=["extra", "renamed"],
+)
+def test_val_category_unknown_to_train_is_one_line(tmp_path, categories, names, named):
+    write_coco(tmp_path, "t", IMAGES, ANNOTATIONS)
+    write_coco(tmp_path, "v", IMAGES[:1], ANNOTATIONS[1:2], categories=categories, names=names)
+    with pytest.raises(DataError) as error:
+        coco_datasets(tmp_path)
+    message = str(error.value)
+    assert "\n" not in message and named in message and "instances_v.json" in message, message
+
+
+def test_annotation_of_an_unlisted_category_is_one_line(tmp_path):
+    write_coco(tmp_path, "t", IMAGES, [*ANNOTATIONS, {"id": 5, "image_id": 2, "category_id": 4, "bbox": [1, 1, 2, 2]}])
+    write_coco(tmp_path, "v", IMAGES[:1], [])
+    with pytest.raises(DataError) as error:
+        coco_datasets(tmp_path)
+    message = str(error.value)
+    assert "\n" not in message and "annotation 5" in message and "category_id 4" in message, message
+
+
+def test_image_of_another_size_than_its_json_is_one_line(tmp_path):
+    """Boxes are in the json's pixels: on an image of another size they would mark the
+    wrong places."""
+    from PIL import Image
+
+    write_coco(tmp_path, "t", IMAGES, ANNOTATIONS)
+    write_coco(tmp_path, "v", IMAGES[:1], [])
+    Image.new("RGB", (32, 24)).save(tmp_path / "t" / "a.jpg")  # the json says 64x48
+    train, _ = coco_datasets(tmp_path)
+    with pytest.raises(DataError) as error:
+        train[0]
+    message = str(error.value)
+    assert "\n" not in message and str(tmp_path / "t" / "a.jpg") in message and "64x48" in message, message
+
+
+def write_huge_png(path, width=40_000, height=40_000):
+    """A tiny valid PNG whose header claims width x height pixels (with a correct CRC)."""
+    import io
+    import struct
+    import zlib
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (4, 4)).save(buffer, "PNG")
+    png = bytearray(buffer.getvalue())
+    png[16:24] = struct.pack(">II", width, height)  # IHDR's data starts after signature, length and type
+    png[29:33] = struct.pack(">I", zlib.crc32(bytes(png[12:29])))  # CRC of IHDR's type and data
+    path.write_bytes(bytes(png))
+
+
+BAD_IMAGES = {
+    "huge": (write_huge_png, "PIL.Image.MAX_IMAGE_PIXELS"),
+    "not an image": (lambda path: path.write_text("not an image"), "is not an image"),
+    "empty": (lambda path: path.write_bytes(b""), "is empty"),
+}
+
+
+@pytest.mark.parametrize("kind", BAD_IMAGES)
+def test_unreadable_images_are_one_line_naming_the_file(tmp_path, kind):
+    write_coco(tmp_path, "t", IMAGES, ANNOTATIONS)
+    write_coco(tmp_path, "v", IMAGES[:1], [])
+    write, advice = BAD_IMAGES[kind]
+    bad = tmp_path / "t" / "a.jpg"  # image id 2: sample 0
+    write(bad)
+    train, _ = coco_datasets(tmp_path)
+    with pytest.raises(DataError) as error:
+        train[0]
+    message = str(error.value)
+    assert "\n" not in message and str(bad) in message and advice in message, message

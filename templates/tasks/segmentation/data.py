@@ -31,6 +31,7 @@ from torchvision.transforms import v2
 
 from engine.config import check_choice, check_positive
 from engine.errors import ConfigError, UsageError
+from engine.seeding import derive_seed
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 IGNORE = 255  # mask value of pixels that count for no class (VOC's object borders)
@@ -75,7 +76,8 @@ def build_datasets(cfg) -> tuple[Dataset, Dataset]:
         return train, val
     if data.name == "voc":
         root = Path(data.root)
-        return ImageMaskFiles(root, "train", train_tf), ImageMaskFiles(root, "val", val_tf)
+        train = ImageMaskFiles(root, "train", data.num_classes, train_tf)
+        return train, ImageMaskFiles(root, "val", data.num_classes, val_tf)
     raise ConfigError(f"unknown data.name {data.name!r}: add it to build_datasets in data.py")
 
 
@@ -95,48 +97,58 @@ class SyntheticShapes(Dataset):
     """Rectangles and ellipses of each foreground class on a noisy background, made from
     the seed alone: no download, the same on every rank. Each class has its own colour
     and the background its own texture, so a small network learns it in minutes.
-    Stored as uint8 tensors (not lists of objects)."""
+
+    A sample is made when it is read, from its own generator seeded by (seed, split,
+    index): the set's size costs no memory, and a larger set begins with the same
+    samples as a smaller one."""
 
     def __init__(self, size, num_classes, image_size, seed, split, transform):
-        colours = torch.rand(num_classes, 3, generator=torch.Generator().manual_seed(seed))
-        g = torch.Generator().manual_seed(seed * 2 + (split == "val") + 1)
-        masks = torch.zeros(size, image_size, image_size, dtype=torch.uint8)
-        ys, xs = torch.meshgrid(torch.arange(image_size), torch.arange(image_size), indexing="ij")
-        for mask in masks:
-            for _ in range(int(torch.randint(1, 4, (), generator=g))):
-                cls = int(torch.randint(1, num_classes, (), generator=g))
-                cy, cx = torch.randint(image_size, (2,), generator=g).tolist()
-                h, w = torch.randint(max(1, image_size // 8), max(2, image_size // 3), (2,), generator=g).tolist()
-                if torch.rand((), generator=g) < 0.5:
-                    inside = ((ys - cy).abs() <= h) & ((xs - cx).abs() <= w)
-                else:
-                    inside = ((ys - cy) / h) ** 2 + ((xs - cx) / w) ** 2 <= 1
-                mask[inside] = cls
-        images = colours[masks.long()].permute(0, 3, 1, 2)  # each pixel its class's colour
-        images = images + 0.25 * torch.randn(images.shape, generator=g)
-        self.images = (images.clamp(0, 1) * 255).round().to(torch.uint8)
-        self.masks = masks
+        self.size, self.num_classes, self.image_size = size, num_classes, image_size
+        self.colours = torch.rand(num_classes, 3, generator=torch.Generator().manual_seed(seed))
+        self.seed, self.split_id = seed, int(split == "val")
         self.transform = transform
 
     def __len__(self):
-        return len(self.masks)
+        return self.size
 
     def __getitem__(self, index):
-        image = tv_tensors.Image(self.images[index].clone())
-        mask = tv_tensors.Mask(self.masks[index].clone())
-        image, mask = self.transform(image, mask)
+        if not 0 <= index < self.size:  # any index could be made: keep `for x in dataset` finite
+            raise IndexError(f"sample {index} of {self.size}")
+        g = torch.Generator().manual_seed(derive_seed(self.seed, SYNTHETIC_STREAM, self.split_id, index))
+        size = self.image_size
+        mask = torch.zeros(size, size, dtype=torch.uint8)
+        ys, xs = torch.meshgrid(torch.arange(size), torch.arange(size), indexing="ij")
+        for _ in range(int(torch.randint(1, 4, (), generator=g))):
+            cls = int(torch.randint(1, self.num_classes, (), generator=g))
+            cy, cx = torch.randint(size, (2,), generator=g).tolist()
+            h, w = torch.randint(max(1, size // 8), max(2, size // 3), (2,), generator=g).tolist()
+            if torch.rand((), generator=g) < 0.5:
+                inside = ((ys - cy).abs() <= h) & ((xs - cx).abs() <= w)
+            else:
+                inside = ((ys - cy) / h) ** 2 + ((xs - cx) / w) ** 2 <= 1
+            mask[inside] = cls
+        image = self.colours[mask.long()].permute(2, 0, 1)  # each pixel its class's colour
+        image = image + 0.25 * torch.randn(image.shape, generator=g)
+        image = image.clamp_(0, 1).mul_(255).add_(0.5).to(torch.uint8)  # 8 bits, as image files
+        image, mask = self.transform(tv_tensors.Image(image), tv_tensors.Mask(mask))
         return image.as_subclass(torch.Tensor), mask.as_subclass(torch.Tensor).long()
+
+
+# A tag in derive_seed's parts: synthetic samples' generators never share a seed with
+# the run's other streams (model init, dropout, augmentation), which use fewer parts.
+SYNTHETIC_STREAM = 0x5EED
 
 
 class ImageMaskFiles(Dataset):
     """Images and masks in the PASCAL VOC layout: <root>/ImageSets/Segmentation/<split>.txt
     lists ids; <root>/JPEGImages/<id>.jpg is the image and <root>/SegmentationClass/<id>.png
-    the mask, one class index per pixel (a palette PNG), 255 for pixels to ignore.
+    the mask, one class index per pixel (a palette or greyscale PNG the image's size),
+    255 for pixels to ignore.
 
     The ids live in one numpy byte-string array, not a list of Python strings, so
     DataLoader workers do not copy them page by page."""
 
-    def __init__(self, root: Path, split: str, transform):
+    def __init__(self, root: Path, split: str, num_classes: int, transform):
         listing = root / "ImageSets" / "Segmentation" / f"{split}.txt"
         if not listing.is_file():
             raise DataError(
@@ -146,7 +158,7 @@ class ImageMaskFiles(Dataset):
         ids = [line.strip() for line in listing.read_text().splitlines() if line.strip()]
         if not ids:
             raise DataError(f"data.root: {str(listing)!r} lists no images")
-        self.root, self.transform = root, transform
+        self.root, self.num_classes, self.transform = root, num_classes, transform
         self.ids = np.array([os.fsencode(i) for i in ids])
 
     def __len__(self):
@@ -154,19 +166,63 @@ class ImageMaskFiles(Dataset):
 
     def __getitem__(self, index):
         name = os.fsdecode(self.ids[index])
-        image = read_image(self.root / "JPEGImages" / f"{name}.jpg", "RGB")
-        mask = read_image(self.root / "SegmentationClass" / f"{name}.png", None)
+        image_path = self.root / "JPEGImages" / f"{name}.jpg"
+        mask_path = self.root / "SegmentationClass" / f"{name}.png"
+        image = read_image(image_path, "RGB")
+        mask = class_indices(read_image(mask_path, None), mask_path, image.size, self.num_classes)
         image = tv_tensors.Image(torch.from_numpy(np.array(image)).permute(2, 0, 1))
-        mask = tv_tensors.Mask(torch.from_numpy(np.array(mask)))
+        mask = tv_tensors.Mask(torch.from_numpy(mask))
         image, mask = self.transform(image, mask)
         return image.as_subclass(torch.Tensor), mask.as_subclass(torch.Tensor).long()
 
 
+MASK_MODES = ("P", "L")  # PIL modes of one 8-bit value per pixel: palette, greyscale
+
+
+def class_indices(mask, path: Path, image_size: tuple[int, int], num_classes: int) -> np.ndarray:
+    """The mask's pixels as an array, checked: a mask must label its image's pixels
+    with classes the model has; anything else trains on wrong labels, or fails deep in
+    the loss."""
+    if mask.mode not in MASK_MODES:
+        raise DataError(
+            f"mask {path} has PIL mode {mask.mode}, not one class index per pixel; "
+            "save it as a palette (P) or greyscale (L) PNG of class indices"
+        )
+    if mask.size != image_size:
+        raise DataError(
+            f"mask {path} is {mask.size[0]}x{mask.size[1]} pixels but its image is {image_size[0]}x{image_size[1]}; "
+            "a mask labels its image's pixels: make them the same size"
+        )
+    values = np.array(mask)
+    classes = values[values != IGNORE]
+    top = int(classes.max()) if classes.size else 0
+    if top >= num_classes:
+        raise DataError(
+            f"mask {path} has class {top}, but data.num_classes={num_classes} allows 0 to {num_classes - 1} "
+            f"({IGNORE}: ignored); set data.num_classes={top + 1} or fix the mask"
+        )
+    return values
+
+
 def read_image(path: Path, mode: str | None):
-    from PIL import Image
+    """The one place image and mask files are read: whatever is wrong with a file is
+    one line naming it. `mode` None keeps the file's own (a mask keeps its indices)."""
+    from PIL import Image, UnidentifiedImageError
 
     try:
         with Image.open(path) as image:
-            return image.convert(mode) if mode else image.copy()  # a mask keeps its palette indices
+            return image.convert(mode) if mode else image.copy()
+    except Image.DecompressionBombError:  # not an OSError: PIL refuses to decode it at all
+        raise DataError(
+            f"image {path} has more pixels than PIL opens (its guard against decompression bombs); resize it, "
+            "or if images this large are intended, raise PIL.Image.MAX_IMAGE_PIXELS at the top of data.py"
+        ) from None
+    except FileNotFoundError:
+        raise DataError(
+            f"image {path} is missing; ImageSets/Segmentation lists its id: add the file or remove the id"
+        ) from None
+    except UnidentifiedImageError:
+        what = "is empty (0 bytes)" if os.path.getsize(path) == 0 else "is not an image PIL can read"
+        raise DataError(f"image {path} {what}; replace or remove it") from None
     except (OSError, ValueError) as error:
-        raise DataError(f"cannot read {path}: {error}") from None
+        raise DataError(f"cannot read image {path}: {error}; replace or remove it") from None

@@ -559,9 +559,8 @@ def test_unreadable_image_is_named_from_a_worker(tmp_path):
         "train.batch_size=8",
     ]
     result = run_script("train.py", [*args, f"output_dir={tmp_path / 'run'}"], nproc=2, check=False)
-    assert one_error_line(result).startswith(
-        f"error: cannot read image {tmp_path / 'images' / 'train' / 'cat' / '7.png'}"
-    )
+    bad = tmp_path / "images" / "train" / "cat" / "7.png"
+    assert one_error_line(result).startswith(f"error: image {bad} is not an image PIL can read")
 
 
 def test_unreadable_image_on_rank_1_is_reported_by_rank_1(tmp_path):
@@ -570,7 +569,7 @@ def test_unreadable_image_on_rank_1_is_reported_by_rank_1(tmp_path):
     args = [*FAST, "data.name=imagefolder", f"data.root={tmp_path / 'images'}", "train.batch_size=8"]
     result = run_script("train.py", [*args, f"output_dir={tmp_path / 'run'}"], nproc=2, check=False)
     bad = tmp_path / "images" / "train" / "cat" / "8.png"
-    assert one_error_line(result).startswith(f"error: rank 1: cannot read image {bad}")
+    assert one_error_line(result).startswith(f"error: rank 1: image {bad} is not an image PIL can read")
 
 
 def test_checkpoint_of_another_model_names_key_and_shapes(tmp_path):

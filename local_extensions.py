@@ -48,6 +48,7 @@ PROJECT_MODULES = {
     "evaluate",
     "export",
     "model",
+    "recipe",
     "train",
     "tests",
     "conftest",

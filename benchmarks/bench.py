@@ -46,9 +46,9 @@ WORKLOAD = [
     "data.augment=false",
     "train.batch_size=64",
     "train.epochs=2",
-    "train.lr=0.05",
-    "train.weight_decay=0",
-    "train.schedule=constant",
+    "optim.lr=0.05",
+    "optim.weight_decay=0",
+    "optim.schedule=constant",
     "train.log_every_steps=1000",
     "checkpoint.resume=none",
 ]
@@ -286,7 +286,7 @@ MEMORY_WORKLOAD = [
     "data.train_size=128",
     "data.val_size=16",
     "train.num_workers=0",
-    "train.optimizer=adamw",
+    "optim.name=adamw",
     "train.batch_size=8",
     "train.epochs=1",
 ]

@@ -24,13 +24,13 @@ from torch.utils.data import DataLoader, DistributedSampler
 sys.path.insert(0, ".")
 from data import DataConfig, build_datasets  # noqa: E402  (the baked project's own modules)
 from engine.config import load_config  # noqa: E402
-from engine.optim import build_optimizer, build_scheduler, scaled_lr  # noqa: E402
 from model import ModelConfig, build_model  # noqa: E402
+from recipe import OptimConfig, build_optimizer, build_scheduler  # noqa: E402
 
 
 def main():
     start = time.perf_counter()
-    cfg = load_config("config.yaml", json.loads(sys.argv[1]), data=DataConfig, model=ModelConfig)
+    cfg = load_config("config.yaml", json.loads(sys.argv[1]), data=DataConfig, model=ModelConfig, optim=OptimConfig)
     distributed = "RANK" in __import__("os").environ
     if distributed:
         dist.init_process_group("gloo")
@@ -41,8 +41,8 @@ def main():
     torch.manual_seed(cfg.seed)
     model = build_model(cfg)
     trained = DDP(model) if world > 1 else model
-    optimizer = build_optimizer(model, cfg.train, scaled_lr(cfg.train, world))
-    scheduler = build_scheduler(optimizer, cfg.train, len(loader))
+    optimizer = build_optimizer(model, cfg, world, {})
+    scheduler = build_scheduler(optimizer, cfg, len(loader))
     step_times, train_time = [], 0.0
     faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     for epoch in range(cfg.train.epochs):

@@ -70,7 +70,7 @@ def async_save_s(state, directory: Path, group) -> dict:
 
 
 def main(out: str, overrides: list[str]) -> None:
-    cfg = train.load_config(None, overrides, data=train.DataConfig, model=train.ModelConfig)
+    cfg = train.load_config(None, overrides, data=train.DataConfig, model=train.ModelConfig, optim=train.OptimConfig)
     env, device = init_distributed_mode(cfg.dist)
     reset_peak()
     row = {"rank": env.rank, "runtime_mib": status_mib("VmRSS")}  # torch and the process group

@@ -13,7 +13,7 @@ from conftest import CHOICES, TEMPLATE, bake
 from cookiecutter.exceptions import FailedHookException
 
 # The top of a baked project: what the user edits, and one package of machinery.
-USER_FILES = {"train.py", "evaluate.py", "export.py", "model.py", "data.py", "config.yaml"}
+USER_FILES = {"train.py", "evaluate.py", "export.py", "model.py", "data.py", "recipe.py", "config.yaml"}
 TOP_LEVEL = USER_FILES | {"engine", "tests", "scripts", "README.md", "LICENSE", "pyproject.toml"}
 
 
@@ -24,7 +24,7 @@ def rendered_files(project):
 def test_defaults_bake_a_complete_project(baked):
     assert baked.name == "ddp_classifier"
     assert {p.name for p in baked.iterdir() if not p.name.startswith(".")} == TOP_LEVEL
-    assert {p.name for p in baked.glob("*.py")} == {"train.py", "evaluate.py", "export.py", "model.py", "data.py"}
+    assert {p.name for p in baked.glob("*.py")} == USER_FILES - {"config.yaml"}
     assert (baked / "scripts" / "slurm" / "train.sbatch").is_file()
     for path in rendered_files(baked):
         text = path.read_text()
@@ -57,6 +57,7 @@ def test_every_python_version_choice(tmp_path, version):
         ("torch", "would shadow a module the project imports"),
         ("json", "would shadow a module the project imports"),
         ("engine", "is the name of one of the project's own modules"),
+        ("recipe", "is the name of one of the project's own modules"),
     ],
 )
 def test_bad_slug_is_refused_and_nothing_is_left(tmp_path, slug, problem):
@@ -179,17 +180,17 @@ def test_hook_knows_every_module_of_the_project(baked):
 def test_the_machinery_knows_no_task(baked):
     """Loss, metrics and batch structure are the user's: nothing of the classification
     example (its loss, its metric, its batch layout) appears in the engine package."""
-    for path in (baked / "engine").glob("*.py"):
+    for path in (baked / "engine").rglob("*.py"):
         text = path.read_text()
         for word in ("cross_entropy", "argmax", "val_acc", "num_classes", "labels", "images"):
             assert word not in text, f"{path.name} mentions {word!r}"
 
 
 def test_the_machinerys_tests_train_a_frozen_copy_of_the_example(baked):
-    """tests/reference_task is the example task, byte for byte, under a one-line header:
-    the machinery's tests then hold whatever the user's model.py, data.py and config.yaml
-    become, and test exactly what the user started from."""
-    for name in ("model.py", "data.py", "config.yaml"):
+    """tests/reference_task is the example task, train.py and recipe.py, byte for byte, under
+    a one-line header: the machinery's tests then hold whatever the user's model.py, data.py,
+    config.yaml, train.py and recipe.py become, and test exactly what the user started from."""
+    for name in ("model.py", "data.py", "config.yaml", "train.py", "recipe.py"):
         header, _, body = (baked / "tests" / "reference_task" / name).read_text().partition("\n")
-        assert header.startswith("# The example task, frozen")
+        assert header.startswith(("# The example task, frozen", "# The project's"))
         assert body == (baked / name).read_text(), name

@@ -27,6 +27,7 @@ SUITE_PARTS = {
         "test_entry_points.py",
         "test_launcher.py",
         "test_fsdp_tied.py",
+        "test_common_changes.py",
     ],
     "daily loop and units": [
         "test_trackers.py",

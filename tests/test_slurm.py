@@ -179,7 +179,7 @@ def one_error_line(result) -> str:
 
 def test_srun_a_diverging_run_stops_every_task_and_keeps_a_finite_checkpoint(slurm, project, tmp_path):
     out = tmp_path / "run"
-    diverging = ["train.lr=300", "train.scale_lr=false", "train.grad_clip=0", "checkpoint.every_steps=4"]
+    diverging = ["optim.lr=300", "optim.scale_lr=false", "train.grad_clip=0", "checkpoint.every_steps=4"]
     result = srun(project, slurm, [*diverging, "checkpoint.keep_last=1", f"output_dir={out}"])
     assert one_error_line(result).startswith("error: training diverged: non-finite gradients at step ")
     good = torch.load(out / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)

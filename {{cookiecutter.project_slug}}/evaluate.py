@@ -2,7 +2,7 @@
 
   python evaluate.py --checkpoint runs/default/checkpoints/best.pt
   torchrun --nproc_per_node=4 evaluate.py --checkpoint PATH [--config FILE] [section.key=value ...]
-  python evaluate.py --checkpoint PATH --ema      the EMA of the weights (train.ema_decay)
+  python evaluate.py --checkpoint PATH --weights ema      a part's set of weights (the EMA's: ema.decay)
 
 The model and data settings come from the checkpoint's own config unless --config is
 given; key=value overrides apply on top (e.g. train.num_workers=0).
@@ -31,13 +31,14 @@ from engine.memory import set_host_allocator
 from engine.metrics import evaluate
 from engine.parallel import build_for_evaluation, is_sharded
 from model import BLOCKS, ModelConfig, build_metrics, build_model, validation_step
+from recipe import OptimConfig
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="checkpoint: a .pt file, or a sharded checkpoint's folder")
     parser.add_argument("--config", default=None, help="YAML config (default: the checkpoint's)")
-    parser.add_argument("--ema", action="store_true", help="evaluate the EMA of the weights instead of the weights")
+    parser.add_argument("--weights", default="model", help="which weights: model (default), or a part's, e.g. ema")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     return parser.parse_args(argv)
 
@@ -49,7 +50,8 @@ def main(argv=None) -> None:
     # Settings and position only: the weights are read below, and never the optimizer state
     # of a sharded checkpoint.
     ckpt = load_checkpoint(args.checkpoint, tensors=False)
-    cfg = load_config(args.config, args.overrides, data=DataConfig, model=ModelConfig, base=ckpt.get("config"))
+    sections = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig}
+    cfg = load_config(args.config, args.overrides, base=ckpt.get("config"), **sections)
     env, device = init_distributed_mode(cfg.dist)
     set_host_allocator(sharded=is_sharded(cfg, env))  # as train.py does, before the model is built
     try:
@@ -58,12 +60,12 @@ def main(argv=None) -> None:
             _, val_set = build_datasets(cfg)
         # Under FSDP sharded as in training (no full copy on any device), else a replica.
         model = build_for_evaluation(lambda: build_model(cfg), cfg, env, device, BLOCKS)
-        load_weights(model, Path(args.checkpoint), ckpt, part="ema" if args.ema else "model")
+        load_weights(model, Path(args.checkpoint), ckpt, part=args.weights)
         # Its workers end with the `with`, before the process group does.
         with build_val_loader(val_set, cfg, env, device, getattr(data, "collate_fn", None)) as val_loader:
             metrics = evaluate(model, val_loader, validation_step, build_metrics(cfg), device, cfg.train.precision)
         if is_main():
-            shown = {"checkpoint": args.checkpoint, "step": ckpt.get("step"), "ema": args.ema}
+            shown = {"checkpoint": args.checkpoint, "step": ckpt.get("step"), "weights": args.weights}
             print(json.dumps({**shown, **metrics}), flush=True)
     finally:
         cleanup_distributed()

@@ -14,9 +14,11 @@ import gc
 import time
 from pathlib import Path
 
+import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import data
+import recipe
 from data import DataConfig, build_datasets, prepare_data
 from engine.checkpoint import Checkpointer
 from engine.config import effective_batch, format_config, load_config, save_config
@@ -30,30 +32,27 @@ from engine.distributed import (
     stop_all_if_any_fails,
 )
 from engine.divergence import NonFiniteGuard
-from engine.early_stopping import EarlyStopping
-from engine.ema import WeightEMA
-from engine.freezing import Freezing, freeze
 from engine.gpu_processes import report_gpu_processes
 from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
 from engine.logs import QuietLog, RunLog, log, report_errors
 from engine.memory import freeze_setup_objects, report_memory, set_host_allocator, train_state_mib
 from engine.metrics import evaluate
-from engine.optim import build_optimizer, build_scheduler, describe_lr, scaled_lr
 from engine.parallel import build_and_wrap, is_sharded, memory_format, wrap_again
+from engine.parts import build_parts
 from engine.precision import build_grad_scaler, check_precision
 from engine.preemption import StopRequest
-from engine.profiling import profile_steps
 from engine.run_lock import RunLock
 from engine.seeding import capture_rng_state, derive_seed, restore_rng_state, seed_everything, set_determinism
 from engine.training import EpochStats, TrainState, forward_backward, optimizer_step
 from model import BLOCKS, ModelConfig, build_metrics, build_model, training_step, validation_step
+from recipe import OptimConfig
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", default="config.yaml", help="YAML config (default: config.yaml)")
     parser.add_argument("--print-config", action="store_true", help="print every setting of the run and exit")
-    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. train.lr=0.05")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value", help="e.g. optim.lr=0.05")
     return parser.parse_args(argv)
 
 
@@ -61,7 +60,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 @report_errors
 def main(argv=None) -> None:
     args = parse_args(argv)
-    cfg = load_config(args.config, args.overrides, data=DataConfig, model=ModelConfig)
+    cfg = load_config(args.config, args.overrides, data=DataConfig, model=ModelConfig, optim=OptimConfig)
     if args.print_config:
         print(format_config(cfg), end="")
         return
@@ -88,16 +87,16 @@ def main(argv=None) -> None:
             report_gpu_processes(device, "start")  # after the resume: what a load left on another rank's GPU shows
             # A hang fails the run after dist.step_timeout_minutes once the first step is done.
             shorten_timeout_after_first_step(state.optimizer, cfg.dist.step_timeout_minutes, [stop.group])
-            profile_steps(state.optimizer, cfg.train, env.rank, state.step, cfg.output_dir)  # if train.profile_steps
+            for part in state.parts:
+                part.start(state)
 
             freeze_setup_objects()  # no full garbage collection pauses inside the steps
-            while state.epoch < cfg.train.epochs and not state.early_stopping.stopped:
+            while state.epoch < cfg.train.epochs and not state.stop_reason():
                 if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
                     seed_everything(derive_seed(cfg.seed, env.rank, state.epoch))
                 rng_restored = False
-                if state.freezing.start_epoch(state.model, state.epoch):  # train.freeze_epochs are over
+                if any([part.start_epoch(state) for part in state.parts]):  # e.g. parameters unfrozen
                     state.train_model = wrap_again(state.model, cfg, env, device)
-                    run_log.log(f"epoch {state.epoch}: train.freeze's parameters are trained from here on")
                 train_metrics, finished = train_one_epoch(state, train_loader, cfg, stop, checkpointer, run_log)
                 if finished:  # and then evaluated and saved, unless a stop came during the evaluation
                     finished = end_epoch(state, val_loader, cfg, stop, checkpointer, run_log, train_metrics)
@@ -109,9 +108,8 @@ def main(argv=None) -> None:
                         f"{time.monotonic() - started:.1f} s, run the same command to continue"
                     )
                     break
-            if state.early_stopping.stopped:  # also when a resumed run had already stopped
-                best = checkpointer.directory / "best.pt"
-                run_log.log(state.early_stopping.summary(state.epoch - 1, state.best_metric_value, str(best)))
+            if state.stop_reason():  # also when a resumed run had already stopped
+                run_log.log(state.stop_reason())
     finally:
         gc.unfreeze()
         if lock is not None:
@@ -135,17 +133,24 @@ def load_train_objs(cfg, env, device, checkpointer: Checkpointer):
     steps = steps_per_epoch(train_loader, cfg)
 
     seed_everything(cfg.seed)  # the same initial weights on every rank
-    # train.freeze's parameters frozen; SyncBatchNorm, device, DDP or FSDP (no full copy on any device).
-    model, train_model = build_and_wrap(lambda: freeze(build_model(cfg), cfg.train), cfg, env, device, BLOCKS)
-    lr = scaled_lr(cfg.train, env.world_size)  # for the effective batch
-    optimizer = build_optimizer(model, cfg.train, lr)
-    scheduler = build_scheduler(optimizer, cfg.train, steps)
+    parts = build_parts(cfg, env)  # the optional features the config turns on (engine/parts)
+
+    def build() -> nn.Module:
+        model = build_model(cfg)
+        for part in parts:
+            model = part.prepare_model(model)  # e.g. freeze.params' parameters frozen
+        return model
+
+    # SyncBatchNorm, device, DDP or FSDP (no full copy on any device).
+    model, train_model = build_and_wrap(build, cfg, env, device, BLOCKS)
+    joins_later = {name: step for part in parts for name, step in part.joins_later(model, steps).items()}
+    optimizer = recipe.build_optimizer(model, cfg, env.world_size, joins_later)
+    scheduler = recipe.build_scheduler(optimizer, cfg, steps)
     scaler = build_grad_scaler(cfg.train.precision, device)
-    guard = NonFiniteGuard(cfg.train, checkpointer.last_good, lr, device)
-    early_stopping = EarlyStopping.from_config(cfg)  # off unless train.early_stopping_patience
-    ema = WeightEMA(model, cfg.train.ema_decay, cfg.train.ema_start_step) if cfg.train.ema_decay else None
+    guard = NonFiniteGuard(cfg.train, checkpointer.last_good, scheduler.base_lrs[0], device)
     state = TrainState(model, train_model, optimizer, scheduler, scaler, guard, device, cfg.train.accum_steps, steps)
-    state.early_stopping, state.ema, state.freezing = early_stopping, ema, Freezing(cfg.train)
+    for part in parts:
+        state.register(part.name, part)
     return train_loader, val_loader, state
 
 
@@ -174,23 +179,26 @@ def start_run_log(cfg, env, state: TrainState, train_loader, val_loader) -> RunL
                 f"{len(train_loader.dataset)} train / {len(val_loader.dataset)} val samples; effective batch "
                 f"{per_step}; {state.steps_per_epoch} steps/epoch"
             )
-            log(describe_lr(cfg.train, env.world_size, state.steps_per_epoch))
+            log(recipe.describe(cfg, env.world_size, state.steps_per_epoch))
             run_log = RunLog(cfg, per_step, state.step, state.tracker_runs)  # W&B, MLflow: go on in the same runs
             state.tracker_runs = run_log.tracker_runs  # kept in the checkpoints
     return run_log
 
 
 def evaluate_weights(state: TrainState, val_loader, cfg, max_batches=None, stop: StopRequest | None = None):
-    """The model's validation metrics and, with train.ema_decay, its EMA's beside them
-    (ema_val_*). None if a stop came during an evaluation. Every rank must call this."""
+    """The model's validation metrics and, beside them, those of each part's set of weights
+    (e.g. the EMA's as ema_val_*). None if a stop came during an evaluation. Every rank must
+    call this."""
     results = evaluate_model(state, val_loader, cfg, max_batches, stop)
-    if results is None or state.ema is None:
-        return results
-    with state.ema.swapped_into_model():  # the same model (sharded or not), holding the average
-        ema_results = evaluate_model(state, val_loader, cfg, max_batches, stop)
-    if ema_results is None:
-        return None
-    return results | {f"ema_{key}": value for key, value in ema_results.items() if key.startswith("val_")}
+    for part in state.parts:
+        if results is None or not part.holds_weights:
+            continue
+        with part.swapped_into_model():  # the same model (sharded or not), holding the part's weights
+            more = evaluate_model(state, val_loader, cfg, max_batches, stop)
+        if more is None:
+            return None
+        results |= {f"{part.name}_{key}": value for key, value in more.items() if key.startswith("val_")}
+    return results
 
 
 def evaluate_model(state: TrainState, val_loader, cfg, max_batches, stop: StopRequest | None):
@@ -250,7 +258,8 @@ def end_epoch(state: TrainState, val_loader, cfg, stop: StopRequest, checkpointe
     # from the previous checkpoint and rewinds metrics.jsonl to it (RunLog).
     with stop_all_if_any_fails(state.device):
         run_log.write_epoch(row)
-    state.early_stopping.update(val_metrics)  # before the save, which keeps its count
+    for part in state.parts:
+        part.after_evaluation(state, val_metrics)  # before the save, which keeps e.g. early stopping's count
     state.finish_epoch()
     checkpointer.save(state, val_metrics)  # best.pt by checkpoint.best_metric
     return True

@@ -49,11 +49,9 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from engine.config import Config, effective_batch, field_default, plain
+from engine.config import Config, TrainConfig, effective_batch, field_default, plain
 from engine.distributed import DistEnv, all_gather_objects, gather_objects_on_main, is_main, stop_all_if_any_fails
-from engine.ema import EMA_KEY, WeightEMA
 from engine.errors import CheckpointError, UsageError
-from engine.freezing import set_requires_grad
 from engine.logs import log
 from engine.seeding import capture_rng_state, restore_rng_state
 from engine.sharded import (
@@ -78,7 +76,10 @@ PREFIXES = ("module.", "_orig_mod.")  # added by DDP and torch.compile wrappers
 # Written in every checkpoint as "format_version"; raise it when what a checkpoint holds,
 # or what it means, changes, so that an older engine refuses a newer checkpoint in one line
 # instead of misreading it. A checkpoint without it was written in format 1.
-CHECKPOINT_FORMAT = 1
+# Format 2: the optimizer's settings in the config's optim section (optim.lr and the like
+# before), registered states under "states", and "weight_sets" naming the parts' weights.
+CHECKPOINT_FORMAT = 2
+SHAPE = ("batch_size", "accum_steps")  # train's keys that, with the world size, decide the data's order
 # What every checkpoint of this project holds, and of which type ("model", a dict of
 # tensors, too); a sharded folder's run_state.pt holds all but "model" and "optimizer",
 # which its .metadata lists.
@@ -289,8 +290,13 @@ def check_contents(path: Path, state: dict, tensors_inside: bool) -> None:
     if tensors_inside:
         if "model" not in state:
             raise not_ours(path, "no 'model'")
-        for key in ("model", EMA_KEY):
+        for key in weight_sets(state):
             check_weights(path, key, state.get(key, {}))
+
+
+def weight_sets(state: dict) -> list[str]:
+    """The sets of model weights a checkpoint holds: "model" and its parts' (e.g. "ema")."""
+    return ["model", *state.get("weight_sets", ["ema"] if "ema" in state else [])]
 
 
 def check_weights(path: Path, key: str, weights) -> None:
@@ -436,12 +442,12 @@ def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) ->
 
 def load_weights(model: torch.nn.Module, path: Path, ckpt: dict, optimizer=None, part: str = "model") -> None:
     """A checkpoint's model weights (and optimizer state, when `optimizer` is given) into a
-    plain, DDP or FSDP model; part="ema": its average of the weights instead. `ckpt` is
+    plain, DDP or FSDP model; part="ema": a part's set of weights instead. `ckpt` is
     what load_checkpoint(path, tensors=False) returned: a file's whole contents, or a
     sharded folder's run state, whose tensors each rank then reads shard by shard,
     resharded to this run's processes. Every rank must call this."""
     if not has_part(path, ckpt, part):
-        raise CheckpointError(f"{path} has no {part!r} weights (train.ema_decay was off when it was saved)")
+        raise CheckpointError(f"{path} has no {part!r} weights (that part was off when it was saved)")
     if part in ckpt:
         load_model_weights(model, ckpt[part], str(path))
         return  # a file's optimizer state is loaded by TrainState.load_state_dict
@@ -456,18 +462,16 @@ def has_part(path: Path, ckpt: dict, part: str) -> bool:
     return any(key.startswith(f"{part}.") for key in read_metadata(path / METADATA_FILE).state_dict_metadata)
 
 
-def load_ema(ema: WeightEMA | None, path: Path, ckpt: dict) -> None:
-    """The checkpoint's EMA into `ema`, resharded like the model's weights; a checkpoint
-    saved without one (train.ema_decay just turned on) leaves it at the current weights."""
-    if ema is None:
-        return
-    if not has_part(path, ckpt, EMA_KEY):
-        ema.reset()
+def load_part_weights(part, model: torch.nn.Module, path: Path, ckpt: dict) -> None:
+    """The checkpoint's set of weights of `part` (e.g. the EMA), resharded like the model's;
+    a checkpoint saved without them (the part just turned on) leaves them at the model's."""
+    if not has_part(path, ckpt, part.name):
+        part.reset_weights()
         if is_main():
-            log(f"note: {path} has no EMA of the weights; the EMA starts from the current weights")
+            log(f"note: {path} has no {part.name!r} weights; they start from the model's weights")
         return
-    with ema.swapped_into_model() as model:  # loaded as the model's own weights are
-        load_weights(model, path, ckpt, part=EMA_KEY)
+    with part.swapped_into_model():  # loaded as the model's own weights are
+        load_weights(model, path, ckpt, part=part.name)
 
 
 def check_shapes(model: torch.nn.Module, saved: dict[str, tuple], source: str) -> None:
@@ -512,7 +516,7 @@ class Checkpointer:
         rng_states = gather_objects_on_main(capture_rng_state())  # each rank's, for an exact resume; None off rank 0
         run = {
             "format_version": CHECKPOINT_FORMAT,
-            "config": dataclasses.asdict(self.cfg),
+            "config": self.cfg.to_dict(),
             "world_size": self.env.world_size,
             "rng": rng_states,
         }
@@ -576,7 +580,7 @@ class Checkpointer:
         """checkpoint.best_metric must be one of the metrics validation reports."""
         name = self.cfg.checkpoint.best_metric
         if name not in val_metrics:
-            known = ", ".join(key for key in val_metrics if key.startswith(("val_", "ema_val_")))
+            known = ", ".join(key for key in val_metrics if "val_" in key)
             raise CheckpointError(
                 f"checkpoint.best_metric is {name!r}, which this task does not report (it reports {known}); "
                 "set checkpoint.best_metric to one of them"
@@ -610,19 +614,21 @@ class Checkpointer:
                 with stop_all_if_any_fails(self.device):  # unreadable on some node: every rank stops
                     ckpt = load_checkpoint(init_from, tensors=False)
                 load_weights(state.model, Path(init_from), ckpt)
-                if state.ema is not None:
-                    state.ema.reset()  # an average of the weights fine-tuning starts from
+                for part in state.parts:
+                    part.reset_weights()  # e.g. an average of the weights fine-tuning starts from
                 if is_main():
                     log(f"initialised model weights from {init_from} (fine-tuning)")
             return False
         path, ckpt = found
         refuse_changed_settings(path, ckpt["config"], self.cfg)
-        # train.freeze as in the checkpoint's last step: the optimizer loads state for the
-        # parameters that needed gradients then (an epoch's end counts as that epoch).
+        # An epoch's end counts as that epoch (e.g. for which parameters were frozen).
         trained_epoch = ckpt["epoch"] - 1 if ckpt["batches_done"] == 0 and ckpt["epoch"] > 0 else ckpt["epoch"]
-        set_requires_grad(state.model, self.cfg.train, trained_epoch)
+        for part in state.parts:
+            part.before_load(state, trained_epoch)
         load_weights(state.model, path, ckpt, state.optimizer)
-        load_ema(state.ema, path, ckpt)
+        for part in state.parts:
+            if part.holds_weights:
+                load_part_weights(part, state.model, path, ckpt)
         run_lr = state.scheduler.base_lrs[0]  # this run's, before the checkpoint's replaces it
         state.load_state_dict(ckpt)
         if is_main():
@@ -633,14 +639,15 @@ class Checkpointer:
         """Restore this rank's RNG state when the layout is the same; otherwise continue at
         the same sample of the epoch's permutation, in whole steps. True if restored.
         `run_lr`: the base lr this run's recipe chose, which the checkpoint's replaced."""
-        saved, train = ckpt["config"]["train"], self.cfg.train
+        saved, train = ckpt["config"].get("train", {}), self.cfg.train
         saved_lr = state.scheduler.base_lrs[0]
-        changed = not math.isclose(saved_lr, run_lr)
-        if is_main() and (changed or any(saved[k] != getattr(train, k) for k in ("momentum", "weight_decay"))):
-            log(f"note: the optimizer continues with the checkpoint's lr ({saved_lr:.4g}), momentum and weight_decay")
+        changed = not math.isclose(saved_lr, run_lr) or ckpt["config"].get("optim") != plain(self.cfg.optim)
+        if is_main() and changed:
+            log(f"note: the optimizer continues with the checkpoint's lr ({saved_lr:.4g}) and settings")
         if state.batches_done == 0:
             return False
         world_size = self.env.world_size
+        saved = {key: saved.get(key, field_default(TrainConfig.__dataclass_fields__[key])) for key in SHAPE}
         if (ckpt["world_size"], saved["batch_size"], saved["accum_steps"]) == (
             world_size,
             train.batch_size,
@@ -743,19 +750,17 @@ def newest_usable(paths: list[Path], directory: Path) -> tuple[Path, dict] | Non
 def config_changes(saved: dict, cfg: Config) -> list[str]:
     """'section.key: old -> new' for each setting that changes what the weights mean: the
     seed and the task's data and model sections, but for the keys each section lists in
-    `may_change_on_resume` (e.g. where the files are, how they are augmented); and
-    train.freeze's settings, which shape the optimizer.
+    `may_change_on_resume` (e.g. where the files are, how they are augmented); and the
+    sections that say `fixed_on_resume` (e.g. freeze, which shapes the optimizer).
 
     The schema may have grown since the checkpoint: a key it lacks counts as its default
     (the default keeps the old behaviour), and one the schema no longer has is ignored.
     Keys set in both come first, in schema order: what the user changed, before the keys
     new since the checkpoint."""
-    changes = [
-        *section_changes("", saved, cfg, only=("seed",)),
-        *section_changes("train.", saved.get("train") or {}, cfg.train, only=("freeze", "freeze_epochs")),
-        *section_changes("data.", saved.get("data") or {}, cfg.data),
-        *section_changes("model.", saved.get("model") or {}, cfg.model),
-    ]
+    fixed = [name for name, section in cfg.sections.items() if getattr(section, "fixed_on_resume", False)]
+    changes = section_changes("", saved, cfg, only=("seed",))
+    for name in ("data", "model", *fixed):
+        changes += section_changes(f"{name}.", saved.get(name) or {}, getattr(cfg, name))
     return [str(change) for change in sorted(changes, key=lambda change: change.new_key)]  # stable: schema order
 
 

@@ -1,10 +1,12 @@
 """The run configuration: one typed schema, each default written once, beside its meaning.
 
-The schema is made of sections, each a dataclass. `data` (DataConfig in data.py) and
-`model` (ModelConfig in model.py) belong to the task; `train`, `checkpoint`, `dist` and
-`tracking` below belong to the machinery. config.yaml holds only what a project sets differently
-from these defaults; `python train.py --print-config` shows every key with its value and
-meaning, and each run saves that in output_dir/config.yaml.
+The schema is made of sections, each a dataclass. `data` (DataConfig in data.py),
+`model` (ModelConfig in model.py) and `optim` (OptimConfig in recipe.py) are the
+project's; `train`, `checkpoint`, `dist` and `tracking` below belong to the machinery,
+and each optional part has its own (`ema`, `freeze`...: engine/parts). config.yaml holds
+only what a project sets differently from these defaults; `python train.py --print-config`
+shows every key with its value and meaning, and each run saves that in
+output_dir/config.yaml.
 
 Values come from the YAML file, then from `section.key=value` overrides on the command
 line. A key the schema does not know, a value of the wrong type or an invalid value is a
@@ -31,6 +33,7 @@ from typing import Any
 
 import yaml
 
+from engine import parts
 from engine.errors import ConfigError
 from engine.files import write_text_whole
 
@@ -40,16 +43,6 @@ class TrainConfig:
     epochs: int = 10
     batch_size: int = 64  # per process; effective = batch_size x processes x accum_steps
     accum_steps: int = 1  # gradient accumulation: micro-batches per optimizer step
-    optimizer: str = "sgd"  # sgd | adamw
-    lr: float = 0.2  # for an effective batch of reference_batch; scaled to the run's (scale_lr)
-    scale_lr: bool = True  # scale lr with the effective batch (sgd: linear, adamw: square root); false: as is
-    reference_batch: int = 128  # the effective batch that train.lr is meant for
-    momentum: float = 0.9  # sgd only
-    weight_decay: float = 5e-4  # not applied to biases and norm weights (1-D parameters)
-    schedule: str = "cosine"  # cosine | step | constant, advanced per optimizer step
-    warmup_epochs: float = 1.0  # lr rises linearly from near 0 over this many epochs: a steady start
-    step_every_epochs: int = 30  # step schedule: multiply lr by step_gamma this often
-    step_gamma: float = 0.1  # step schedule only
     grad_clip: float = 5.0  # max gradient norm: a guard against rare spikes, not a limit on normal steps; 0 = off
     max_bad_steps: int = 0  # steps with non-finite gradients to skip before stopping (>0: a host sync per step)
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 needs CUDA; uses a GradScaler)
@@ -64,59 +57,15 @@ class TrainConfig:
     log_every_steps: int = 10
     tensorboard: bool = True  # curves in output_dir/tensorboard (rank 0; needs the tensorboard package)
     stop_at_step: int = 0  # stop with a checkpoint at this optimizer step; 0 = run all epochs
-    early_stopping_patience: int = 0  # end after this many epochs without checkpoint.best_metric improving; 0 = off
-    early_stopping_min_delta: float = 0.0  # early stopping: an improvement this small or smaller does not count
-    freeze: str = ""  # comma-separated name prefixes of parameters that get no gradient (e.g. conv1,layer1)
-    freeze_epochs: int = 0  # train.freeze only for this many epochs (ddp); 0 = for the whole run
-    ema_decay: float = 0.0  # an average of the weights, evaluated beside them (e.g. 0.999); 0 = off
-    ema_start_step: int = 0  # until this optimizer step the average just follows the weights
-    profile_steps: int = 0  # record this many optimizer steps with torch.profiler into output_dir/profile; 0 = off
-    profile_start_step: int = 5  # the first step recorded (after the first steps' one-time work)
-    profile_all_ranks: bool = False  # profile every rank, not rank 0 only
     deterministic: bool = False  # torch.use_deterministic_algorithms
 
     def __post_init__(self):
-        for key in (
-            "epochs",
-            "batch_size",
-            "accum_steps",
-            "eval_batch_size",
-            "log_every_steps",
-            "reference_batch",
-            "profile_start_step",
-        ):
+        for key in ("epochs", "batch_size", "accum_steps", "eval_batch_size", "log_every_steps"):
             check_positive(f"train.{key}", getattr(self, key))
-        for key in ("lr", "step_every_epochs", "step_gamma"):
-            check_positive(f"train.{key}", getattr(self, key))
-        zero_ok = (
-            "momentum",
-            "weight_decay",
-            "warmup_epochs",
-            "grad_clip",
-            "max_bad_steps",
-            "stop_at_step",
-            "num_workers",
-            "early_stopping_patience",
-            "early_stopping_min_delta",
-            "profile_steps",
-            "ema_decay",
-            "ema_start_step",
-            "freeze_epochs",
-        )
-        for key in zero_ok:
+        for key in ("grad_clip", "max_bad_steps", "stop_at_step", "num_workers"):
             check_positive(f"train.{key}", getattr(self, key), allow_zero=True)
-        check_at_most("train.warmup_epochs", self.warmup_epochs, MAX_EPOCHS)
-        check_choice("train.optimizer", self.optimizer, ("sgd", "adamw"))
-        check_choice("train.schedule", self.schedule, ("cosine", "step", "constant"))
         check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
         check_choice("train.strategy", self.strategy, ("ddp", "fsdp"))
-        if self.freeze_epochs and not self.freeze:
-            raise ConfigError("train.freeze_epochs is set but train.freeze names no parameters; set both or neither")
-        if self.freeze_epochs and self.strategy == "fsdp":
-            # FSDP fixes which parameters take gradients when it shards the model.
-            raise ConfigError("train.freeze_epochs needs train.strategy=ddp; under fsdp, freeze for the whole run")
-        if self.ema_decay >= 1:
-            raise ConfigError(f"train.ema_decay must be below 1 (e.g. 0.999), got {shown(self.ema_decay)}")
 
 
 def effective_batch(train: TrainConfig, world_size: int) -> int:
@@ -175,14 +124,15 @@ class TrackingConfig:
 
 @dataclass
 class Config:
-    data: Any  # the task's DataConfig (data.py)
-    model: Any  # the task's ModelConfig (model.py)
     seed: int = 0
     output_dir: str = "runs/default"  # checkpoints, metrics.jsonl, the resolved config
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     tracking: TrackingConfig = field(default_factory=TrackingConfig)  # TensorBoard: train.tensorboard
+    # The project's sections (data, model, optim) and the parts' (engine/parts), by name:
+    # cfg.data is cfg.sections["data"].
+    sections: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self):
         check_positive("seed", self.seed, allow_zero=True)
@@ -191,6 +141,16 @@ class Config:
         if self.dist.static_graph and self.train.accum_steps > 1:
             # DDP's static graph cannot skip gradient sync on accumulation micro-batches.
             raise ConfigError("dist.static_graph=true does not work with train.accum_steps > 1; turn one off")
+
+    def __getattr__(self, name: str):
+        sections = self.__dict__.get("sections", {})
+        if name in sections:
+            return sections[name]
+        raise AttributeError(f"the config has no section {name!r}")
+
+    def to_dict(self) -> dict:
+        """Every value as YAML writes it: what a checkpoint stores."""
+        return plain(self)
 
 
 def check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
@@ -207,7 +167,6 @@ def check_positive(key: str, value: float, allow_zero: bool = False) -> None:
 
 # Beyond any real run, and within what timedelta and the step counts can hold.
 MAX_MINUTES = 10**6  # about two years
-MAX_EPOCHS = 10**6
 
 
 def check_at_most(key: str, value: float, limit: float) -> None:
@@ -241,22 +200,21 @@ def shown(value) -> str:
     return text if len(text) <= SHOWN_LENGTH else text[: SHOWN_LENGTH - 3] + "..."
 
 
-def load_config(
-    path: str | Path | None, overrides: list[str] = (), *, data: type, model: type, base: dict | None = None
-) -> Config:
-    """The config from a YAML file with `a.b=value` overrides applied; `data` and `model`
-    are the task's section classes (DataConfig, ModelConfig).
+def load_config(path: str | Path | None, overrides: list[str] = (), *, base: dict | None = None, **sections) -> Config:
+    """The config from a YAML file with `a.b=value` overrides applied. `sections`: the
+    project's own section classes by name (data=DataConfig, model=ModelConfig,
+    optim=OptimConfig); the parts' are added (engine/parts).
 
     Without a file, start from `base` (e.g. a checkpoint's stored config) or the defaults.
     """
-    values = read_yaml(Path(path)) if path is not None else without_retired_keys(copy.deepcopy(base or {}))
+    sections = sections | parts.sections()
+    schema = section_types(Config, sections)
+    values = read_yaml(Path(path)) if path is not None else without_retired_keys(copy.deepcopy(base or {}), schema)
     for override in overrides:
         key, sep, raw = override.partition("=")
         if not sep or not key:
             raise ConfigError(f"override {shown(override)} is not of the form section.key=value")
         set_dotted(values, key.strip(), raw)
-    sections = {"data": data, "model": model}
-    schema = section_types(Config, sections)
     for name, kind in schema.items():
         check_type(name, kind)
     try:
@@ -265,15 +223,22 @@ def load_config(
         raise ConfigError(f"{error}{suggestion(error.key, sections)}") from None
 
 
-def without_retired_keys(values: dict) -> dict:
-    """A checkpoint's stored config without the machinery keys that this version of the
-    engine no longer has (e.g. train.warmup_steps, now train.warmup_epochs)."""
-    for name, kind in typing.get_type_hints(Config).items():
-        section = values.get(name)
-        if dataclasses.is_dataclass(kind) and isinstance(section, dict):
+def without_retired_keys(values: dict, schema: dict[str, type]) -> dict:
+    """A checkpoint's stored config without what this project's schema no longer has: keys
+    of the machinery's sections (e.g. optim.lr, now optim.lr) and the sections of parts it
+    was generated without. The project's own sections (data, model, optim) stay as stored."""
+    for name in list(values):
+        kind = schema.get(name)
+        if kind is None:
+            del values[name]
+        elif is_machinery_section(kind) and isinstance(values[name], dict):
             known = {f.name for f in dataclasses.fields(kind)}
-            values[name] = {key: value for key, value in section.items() if key in known}
+            values[name] = {key: value for key, value in values[name].items() if key in known}
     return values
+
+
+def is_machinery_section(kind) -> bool:
+    return dataclasses.is_dataclass(kind) and kind.__module__.startswith("engine.")
 
 
 def read_yaml(path: Path) -> dict:
@@ -375,14 +340,19 @@ class CliValue(str):
 
 
 def field_types(cls: type) -> dict[str, type]:
-    """Each field's type (not ClassVars such as may_change_on_resume: they are no keys)."""
+    """Each field's type (not ClassVars such as may_change_on_resume: they are no keys),
+    but Config's `sections`, whose keys are the sections themselves."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init and not is_sections(cls, f.name)}
+
+
+def is_sections(cls: type, name: str) -> bool:
+    return cls is Config and name == "sections"
 
 
 def section_types(cls: type, sections: dict[str, type]) -> dict[str, type]:
-    """Each field's type; the task's sections (typed Any above) as given."""
-    return field_types(cls) | (sections if cls is Config else {})
+    """Each field's type; for Config, the project's and the parts' sections first."""
+    return (sections | field_types(cls)) if cls is Config else field_types(cls)
 
 
 class UnknownKey(ConfigError):
@@ -407,6 +377,8 @@ def build(cls: type, values, prefix: str, schema: dict[str, type] | None = None)
             kwargs[name] = convert(key, values.get(name, {}), kind)
         elif name in values:
             kwargs[name] = convert(key, values[name], kind)
+    if cls is Config:
+        kwargs["sections"] = {name: kwargs.pop(name) for name in list(kwargs) if name not in field_types(Config)}
     return cls(**kwargs)
 
 
@@ -555,10 +527,9 @@ def suggestion(key: str, sections: dict[str, type]) -> str:
     if "[" in key:  # in a list's item: the schema's keys do not name items
         return ""
     known = all_keys(Config, sections)
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    if not close:
-        leaf = key.rsplit(".", 1)[-1]
-        close = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
+    leaf = key.rsplit(".", 1)[-1]
+    moved = [k for k in known if k.rsplit(".", 1)[-1] == leaf]  # e.g. train.lr, now optim.lr
+    close = moved or difflib.get_close_matches(key, known, n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -577,7 +548,7 @@ def render(section, indent: str = "") -> list[str]:
     where it differs, the schema's default. Plain keys first, then sub-sections."""
     comments = field_comments(type(section))
     lines, sections = [], []
-    for f in dataclasses.fields(section):
+    for f in fields_of(section):
         value = getattr(section, f.name)
         if dataclasses.is_dataclass(value):
             sections += ["", f"{indent}{f.name}:", *render(value, indent + "  ")]
@@ -590,6 +561,29 @@ def render(section, indent: str = "") -> list[str]:
         note = " ".join(n for n in notes if n)
         lines.append(f"{line:<40} # {note}" if note else line)
     return lines + sections
+
+
+def fields_of(section) -> list:
+    """A section's fields; for Config, its sections as fields, first (data, model, optim...)."""
+    fields = [f for f in dataclasses.fields(section) if not is_sections(type(section), f.name)]
+    if type(section) is not Config:
+        return fields
+    own = [name for name, value in section.sections.items() if not is_part(value)]
+    part_names = [name for name in section.sections if name not in own]
+    return [SectionField(name) for name in own] + fields + [SectionField(name) for name in part_names]
+
+
+def is_part(section) -> bool:
+    return type(section).__module__.startswith(f"{parts.__name__}.")
+
+
+@dataclass
+class SectionField:
+    """One of Config.sections, seen as a field: always there, no default to compare."""
+
+    name: str
+    default = dataclasses.MISSING
+    default_factory = dataclasses.MISSING
 
 
 def field_default(f: dataclasses.Field):
@@ -608,7 +602,7 @@ def plain(value):
     """`value` in the types YAML writes, as a checkpoint may also hand it back: tuples as
     lists, dataclasses as mappings, recursively."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: plain(getattr(value, f.name)) for f in fields_of(value)}
     if isinstance(value, (list, tuple)):
         return [plain(item) for item in value]
     if isinstance(value, dict):

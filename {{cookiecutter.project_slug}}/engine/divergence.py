@@ -96,8 +96,8 @@ class NonFiniteGuard:
 
     def message(self, where: str) -> str:
         return (
-            f"training diverged: non-finite gradients {where}; {self.last_good()}. Try a lower train.lr "
-            f"(this run: {self.lr:.4g}), a longer train.warmup_epochs, or train.grad_clip; "
+            f"training diverged: non-finite gradients {where}; {self.last_good()}. Try a lower learning rate "
+            f"(this run's: {self.lr:.4g}; recipe.py, optim: in config.yaml), a longer warmup, or train.grad_clip; "
             "train.max_bad_steps=N skips up to N such steps"
         )
 

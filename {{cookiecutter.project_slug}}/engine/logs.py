@@ -160,7 +160,7 @@ class QuietLog:
 def format_epoch(metrics: dict) -> str:
     """One console line: the train loss, every validation metric, throughput."""
     shown = [f"train_loss {metrics['train_loss']:.4f}"]
-    shown += [f"{key} {value:.4f}" for key, value in metrics.items() if key.startswith(("val_", "ema_val_"))]
+    shown += [f"{key} {value:.4f}" for key, value in metrics.items() if "val_" in key]
     return (
         f"epoch {metrics['epoch']}: {'  '.join(shown)} ({metrics['num_samples']} samples)  "
         f"{metrics['samples_per_s']:.0f} samples/s"
@@ -169,16 +169,17 @@ def format_epoch(metrics: dict) -> str:
 
 def epoch_scalars(metrics: dict) -> dict:
     """Tracker tags for one epoch's metrics (as in metrics.jsonl): train_x as
-    train/epoch_x, val_x as val/x, ema_val_x (the EMA's) as val_ema/x. Memory: rank 0's figure and the largest over the
-    ranks (`..._max`)."""
+    train/epoch_x, val_x as val/x, a part's ema_val_x (the EMA's) as val_ema/x. Memory: rank 0's
+    figure and the largest over the ranks (`..._max`)."""
     scalars = {"throughput/samples_per_s": metrics["samples_per_s"]}
     for key, value in metrics.items():
         if key.startswith("train_") and key != "train_time_s":
             scalars[f"train/epoch_{key.removeprefix('train_')}"] = value
         elif key.startswith("val_"):
             scalars[f"val/{key.removeprefix('val_')}"] = value
-        elif key.startswith("ema_val_"):
-            scalars[f"val_ema/{key.removeprefix('ema_val_')}"] = value
+        elif "_val_" in key:
+            part, name = key.split("_val_", 1)
+            scalars[f"val_{part}/{name}"] = value
     per_rank = metrics["memory"]
     for key in ("rss_peak_mib", "cuda_reserved_peak_mib"):
         if key in per_rank[0]:

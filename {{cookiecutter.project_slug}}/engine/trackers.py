@@ -9,7 +9,6 @@ x-axis is the run's optimizer step: after a restart from an older checkpoint, th
 trained again are logged again.
 """
 
-import dataclasses
 import importlib
 import time
 from pathlib import Path
@@ -71,7 +70,7 @@ def hyperparameters(cfg) -> dict:
             else:
                 flat[f"{prefix}{key}"] = value
 
-    walk(dataclasses.asdict(cfg), "")
+    walk(cfg.to_dict(), "")
     return flat
 
 

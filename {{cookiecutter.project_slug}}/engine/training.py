@@ -19,20 +19,20 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from engine.config import TrainConfig
-from engine.distributed import all_reduce_sum
+from engine.distributed import all_reduce_sum, is_main
 from engine.divergence import NonFiniteGuard
-from engine.early_stopping import EarlyStopping
-from engine.ema import EMA_KEY, WeightEMA
 from engine.errors import TaskError, UsageError
-from engine.freezing import Freezing
+from engine.parts import Part
 from engine.precision import autocast
 from engine.sharded import sharded_state_dict
 
 FULL = StateDictOptions(full_state_dict=True)
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
+CORE_KEYS = {"model", "optimizer", "scheduler", "scaler", "epoch", "batches_done", "step", "config", "rng", "states"}
 
 
 @dataclass
@@ -48,14 +48,31 @@ class TrainState:
     device: torch.device  # where the model lives (not saved)
     accum_steps: int = 1  # micro-batches per optimizer step (from the config: not saved)
     steps_per_epoch: int = 1  # optimizer steps per epoch (from the data: not saved)
-    early_stopping: EarlyStopping = field(default_factory=EarlyStopping.off)  # its count is saved
-    ema: WeightEMA | None = None  # train.ema_decay: an average of the weights, saved beside them
-    freezing: Freezing = field(default_factory=lambda: Freezing(TrainConfig()))  # train.freeze (not saved)
+    parts: list[Part] = field(default_factory=list)  # the run's optional features (engine/parts)
+    states: dict = field(default_factory=dict)  # more checkpointed objects, by name: see `register`
     epoch: int = 0  # epoch in progress
     batches_done: int = 0  # micro-batches of `epoch` already trained
     step: int = 0  # optimizer steps taken in the whole run
     best_metric_value: float | None = None  # of checkpoint.best_metric, over the epochs so far
     tracker_runs: dict = field(default_factory=dict)  # rank 0's W&B/MLflow run ids: a resumed run goes on in them
+
+    def __post_init__(self):
+        parts, self.parts = self.parts, []
+        for part in parts:
+            self.register(part.name, part)
+
+    def register(self, name: str, obj) -> None:
+        """Checkpoint `obj` under `name`: anything with state_dict() and load_state_dict(),
+        e.g. a counter, a curriculum or a second optimizer, saved whole (from rank 0) in
+        every checkpoint and loaded on resume. A Part's hooks are called too."""
+        if name in self.states or name in CORE_KEYS or not name:
+            raise UsageError(f"a checkpointed state is already named {name!r}; register it under another name")
+        if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
+            raise UsageError(f"{name!r}: a {type(obj).__name__} has no state_dict() and load_state_dict() to save")
+        self.states[name] = obj
+        if isinstance(obj, Part):
+            self.parts.append(obj)
+            obj.setup(self)
 
     def state_dict(self) -> dict:
         """Plain full tensors on the CPU, the same for DDP and FSDP (so either resumes the
@@ -63,17 +80,18 @@ class TrainState:
         return {
             "model": get_model_state_dict(self.model, options=FULL_ON_CPU),
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=FULL_ON_CPU),
-            **({EMA_KEY: self.ema.full_state_dict()} if self.ema is not None else {}),
+            **{part.name: full_on_main(part.weights()) for part in self.parts if part.holds_weights},
             **self.run_state_dict(),
         }
 
     def sharded_state_dict(self) -> dict:
-        """This rank's shards of the model, the optimizer and the EMA. Every rank must call this."""
+        """This rank's shards of the model, the optimizer and the parts' weights. Every rank must call this."""
         shards = sharded_state_dict(self.model, self.optimizer)
-        return shards | ({EMA_KEY: self.ema.tensors} if self.ema is not None else {})
+        return shards | {part.name: part.weights() for part in self.parts if part.holds_weights}
 
     def run_state_dict(self) -> dict:
-        """All but the model and optimizer: small, the same on every rank."""
+        """All but the weights and the optimizer: small, the same on every rank."""
+        states = {name: obj.state_dict() for name, obj in self.states.items()}
         return {
             "scheduler": self.scheduler.state_dict(),
             "scaler": self.scaler.state_dict(),
@@ -82,13 +100,14 @@ class TrainState:
             "step": self.step,
             "best_metric_value": self.best_metric_value,
             "skipped_steps": self.guard.skipped_steps,
-            "early_stopping": self.early_stopping.state_dict(),
             "tracker_runs": self.tracker_runs,
+            "states": {name: state for name, state in states.items() if state is not None},
+            "weight_sets": [part.name for part in self.parts if part.holds_weights],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Optimizer (when `state` holds it whole), schedule and position; the model
-        weights are loaded separately."""
+        """Optimizer (when `state` holds it whole), schedule, position and the registered
+        states; the model weights are loaded separately."""
         if "optimizer" in state:
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=FULL)
         self.scheduler.load_state_dict(state["scheduler"])
@@ -98,9 +117,16 @@ class TrainState:
         self.step = state["step"]
         self.best_metric_value = state.get("best_metric_value")  # absent in older checkpoints
         self.guard.skipped_steps = state.get("skipped_steps", 0)
-        if "early_stopping" in state:  # absent in older checkpoints
-            self.early_stopping.load_state_dict(state["early_stopping"])
         self.tracker_runs = state.get("tracker_runs", {})
+        saved = state.get("states", {})
+        for name, obj in self.states.items():
+            found = saved.get(name, state.get(name) if name not in CORE_KEYS else None)  # older: at the top
+            if isinstance(found, dict):  # else new since the checkpoint: it starts afresh
+                obj.load_state_dict(found)
+
+    def stop_reason(self) -> str | None:
+        """Why the run ends before its last epoch (a part's, e.g. early stopping), if it does."""
+        return next((reason for part in self.parts if (reason := part.stop_reason(self))), None)
 
     def start_micro_batch(self) -> None:
         self.batches_done += 1
@@ -227,8 +253,15 @@ def optimizer_step(state: TrainState, train: TrainConfig) -> None:
     state.optimizer.zero_grad(set_to_none=True)
     state.scheduler.step()
     state.step_done()
-    if state.ema is not None:
-        state.ema.update(state.step)
+    for part in state.parts:
+        part.after_step(state)
+
+
+def full_on_main(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Whole tensors on the CPU, on rank 0 ({} elsewhere, as for the model's). Every rank
+    must call this: under FSDP it gathers."""
+    whole = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in tensors.items()}
+    return {name: t.detach().cpu() for name, t in whole.items()} if is_main() else {}
 
 
 class EpochStats:

@@ -1,9 +1,10 @@
 """Shared helpers: run the project's scripts in real processes (forked ranks, python or torchrun).
 
 Two kinds of tests live here. The machinery's tests (most files) train the reference
-task in tests/reference_task, a frozen copy of the example, in a copy of this project
-(`machinery_project()`): they keep passing whatever your model.py, data.py and
-config.yaml become. Your task's tests (test_data.py, test_task.py) run on your files
+task in tests/reference_task, a frozen copy of the example (and of train.py and
+recipe.py as generated), in a copy of this project (`machinery_project()`): they keep
+passing whatever your model.py, data.py, recipe.py, train.py and config.yaml become.
+Your task's tests (test_data.py, test_task.py) run on your files
 (`PROJECT`, `project_config`); adapt them when you change the task.
 """
 
@@ -41,7 +42,7 @@ FAST = [
     "data.val_size=101",
     "train.num_workers=0",
     "train.batch_size=16",
-    "train.lr=0.1",
+    "optim.lr=0.1",
     "data.augment=false",
     "train.log_every_steps=4",
     "train.tensorboard=false",  # the tests that read the curves turn it on
@@ -49,23 +50,25 @@ FAST = [
 
 
 def project_config(path=None, overrides=(), base=None):
-    """A config of your task: config.yaml's schema with data.py's and model.py's sections."""
+    """A config of your task: config.yaml's schema with data.py's, model.py's and recipe.py's sections."""
     from data import DataConfig
     from model import ModelConfig
+    from recipe import OptimConfig
 
-    return load_config(path, list(overrides), data=DataConfig, model=ModelConfig, base=base)
+    return load_config(path, list(overrides), base=base, data=DataConfig, model=ModelConfig, optim=OptimConfig)
 
 
 def reference_config(path=None, overrides=(), base=None):
     """A config of the reference task, which the machinery's tests train."""
     task = reference_task()
-    return load_config(path, list(overrides), data=task.data.DataConfig, model=task.model.ModelConfig, base=base)
+    sections = {"data": task.data.DataConfig, "model": task.model.ModelConfig, "optim": task.recipe.OptimConfig}
+    return load_config(path, list(overrides), base=base, **sections)
 
 
 @functools.cache
 def reference_task() -> SimpleNamespace:
-    """tests/reference_task's data and model modules, imported under their own names so
-    that they never stand in for your data.py and model.py in this process."""
+    """tests/reference_task's data, model and recipe modules, imported under their own names
+    so that they never stand in for your data.py, model.py and recipe.py in this process."""
     data = import_file("reference_task_data", REFERENCE_TASK / "data.py")
     yours = sys.modules.get("data")
     sys.modules["data"] = data  # the reference model.py imports its data module by this name
@@ -76,7 +79,8 @@ def reference_task() -> SimpleNamespace:
             del sys.modules["data"]
         else:
             sys.modules["data"] = yours
-    return SimpleNamespace(data=data, model=model)
+    recipe = import_file("reference_task_recipe", REFERENCE_TASK / "recipe.py")
+    return SimpleNamespace(data=data, model=model, recipe=recipe)
 
 
 def import_file(name: str, path: Path):
@@ -89,15 +93,16 @@ def import_file(name: str, path: Path):
 
 @functools.cache
 def machinery_project() -> Path:
-    """A copy of this project's machinery with the reference task as its model.py,
-    data.py and config.yaml: where the machinery's tests run train.py, evaluate.py and export.py."""
+    """A copy of this project's machinery with the reference task as its model.py, data.py
+    and config.yaml, and the frozen train.py and recipe.py: where the machinery's tests run
+    train.py, evaluate.py and export.py."""
     root = Path(tempfile.mkdtemp(prefix="machinery-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     project = root / PROJECT.name
     shutil.copytree(PROJECT / "engine", project / "engine", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("train.py", "evaluate.py", "export.py"):
+    for name in ("evaluate.py", "export.py"):
         shutil.copy(PROJECT / name, project / name)
-    for name in ("model.py", "data.py", "config.yaml"):
+    for name in ("model.py", "data.py", "config.yaml", "train.py", "recipe.py"):
         shutil.copy(REFERENCE_TASK / name, project / name)
     return project
 

@@ -23,11 +23,11 @@ from data import DataConfig
 from engine.config import load_config
 from engine.distributed import cleanup_distributed, init_distributed_mode
 from engine.memory import set_host_allocator
-from engine.optim import build_optimizer
 from engine.parallel import build_and_wrap, is_sharded
 from engine.seeding import seed_everything
 from engine.sharded import save_sharded, sharded_state_dict
 from model import BLOCKS, MLPBlock, ModelConfig, build_model
+from recipe import OptimConfig, build_optimizer
 
 DEPTH, WIDTH = 24, 1024
 
@@ -65,7 +65,7 @@ class PhasePeaks:
 
 def main(out: Path, overrides: list[str], deep_mlp: bool) -> None:
     build, blocks = (build_deep_mlp, (MLPBlock,)) if deep_mlp else (build_model, BLOCKS)
-    cfg = load_config("config.yaml", overrides, data=DataConfig, model=ModelConfig)
+    cfg = load_config("config.yaml", overrides, data=DataConfig, model=ModelConfig, optim=OptimConfig)
     env, device = init_distributed_mode(cfg.dist)
     peaks = PhasePeaks()  # from here: above the runtime (torch, the process group)
     seed_everything(cfg.seed)
@@ -78,7 +78,7 @@ def main(out: Path, overrides: list[str], deep_mlp: bool) -> None:
     del weights
     set_host_allocator(sharded=is_sharded(cfg, env))  # as train.py does
     peaks.end()  # the weights gathered for the test
-    optimizer = build_optimizer(model, cfg.train, 0.01)
+    optimizer = build_optimizer(model, cfg, env.world_size, {})
     for _ in range(2):
         train_model(torch.randn(4, 3, cfg.data.image_size, cfg.data.image_size)).sum().backward()
         optimizer.step()

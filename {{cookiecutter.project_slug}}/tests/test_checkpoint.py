@@ -1,4 +1,3 @@
-import dataclasses
 import os
 import pickle
 import shutil
@@ -11,6 +10,7 @@ import torch
 
 from conftest import FAST, machinery_project, read_metrics, reference_config, reference_task, run_script
 from engine.checkpoint import (
+    CHECKPOINT_FORMAT,
     Checkpointer,
     CheckpointError,
     WriteErrors,
@@ -27,30 +27,30 @@ from engine.checkpoint import (
 from engine.config import Config
 from engine.distributed import DistEnv
 from engine.divergence import NonFiniteGuard
-from engine.optim import build_optimizer, build_scheduler
 from engine.precision import build_grad_scaler
 from engine.seeding import capture_rng_state
 from engine.sharded import load_full, load_sharded, save_sharded, sharded_state_dict
 from engine.training import TrainState
 
 MLP = reference_task().model.MLP
+RECIPE = reference_task().recipe
 
 
 def make_state(seed=0):
     torch.manual_seed(seed)
     model = MLP(12, 8, 3)
-    cfg = reference_config(None, ["train.optimizer=adamw"])
-    optimizer = build_optimizer(model, cfg.train, cfg.train.lr)
+    cfg = reference_config(None, ["optim.name=adamw"])
+    optimizer = RECIPE.build_optimizer(model, cfg, 1, {})
     model(torch.randn(4, 12)).sum().backward()
     optimizer.step()  # creates optimizer state tensors
-    scheduler = build_scheduler(optimizer, cfg.train, steps_per_epoch=10)
+    scheduler = RECIPE.build_scheduler(optimizer, cfg, steps_per_epoch=10)
     cpu = torch.device("cpu")
-    guard = NonFiniteGuard(cfg.train, last_good=lambda: "", lr=cfg.train.lr, device=cpu)
+    guard = NonFiniteGuard(cfg.train, last_good=lambda: "", lr=cfg.optim.lr, device=cpu)
     return TrainState(model, model, optimizer, scheduler, build_grad_scaler("fp32", cpu), guard, cpu), cfg
 
 
 def payload(state, cfg):
-    return {**state.state_dict(), "config": dataclasses.asdict(cfg), "world_size": 1, "rng": [capture_rng_state()]}
+    return {**state.state_dict(), "config": cfg.to_dict(), "world_size": 1, "rng": [capture_rng_state()]}
 
 
 def test_round_trip_is_plain_data(tmp_path):
@@ -60,7 +60,7 @@ def test_round_trip_is_plain_data(tmp_path):
     assert torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) == []
     loaded = load_checkpoint(tmp_path / "last.pt")
     assert all(torch.equal(loaded["model"][k], v) for k, v in state.model.state_dict().items())
-    assert loaded["config"] == dataclasses.asdict(cfg)
+    assert loaded["config"] == cfg.to_dict()
     other, _ = make_state(seed=1)
     load_model_weights(other.model, loaded["model"], "last.pt")
     other.load_state_dict(loaded)
@@ -368,7 +368,8 @@ def other_formats(tmp_path) -> dict:
         "step_text": ({**good, "step": "16"}, f"{NOT_OURS} ('step' is a str, not an int)"),
         "newer": (
             {**good, "format_version": 1000},
-            "was written by a newer version of this project (format 1000; this one reads up to 1); use that version",
+            "was written by a newer version of this project "
+            f"(format 1000; this one reads up to {CHECKPOINT_FORMAT}); use that version",
         ),
     }
     paths = {}
@@ -593,11 +594,11 @@ class GrownModel:
 
 
 def config_of(model) -> Config:
-    return Config(data=reference_task().data.DataConfig(), model=model)
+    return Config(sections={"data": reference_task().data.DataConfig(), "model": model})
 
 
 def saved_by(model) -> dict:
-    return dataclasses.asdict(config_of(model))
+    return config_of(model).to_dict()
 
 
 def test_a_setting_added_since_the_checkpoint_at_its_default_is_no_change():

@@ -24,29 +24,30 @@ def test_shipped_config_loads(tmp_path):
 
 
 def test_overrides_are_typed_from_the_schema():
-    cfg = reference_config(CONFIG_YAML, ["train.lr=0.25", "train.epochs=7", "data.augment=false", "output_dir=x"])
-    assert cfg.train.lr == 0.25 and isinstance(cfg.train.lr, float)
+    cfg = reference_config(CONFIG_YAML, ["optim.lr=0.25", "train.epochs=7", "data.augment=false", "output_dir=x"])
+    assert cfg.optim.lr == 0.25 and isinstance(cfg.optim.lr, float)
     assert cfg.train.epochs == 7 and cfg.data.augment is False and cfg.output_dir == "x"
 
 
 def test_yaml_float_without_dot_is_accepted(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("train:\n  lr: 1e-3\n")
-    assert reference_config(path).train.lr == pytest.approx(1e-3)
+    path.write_text("optim:\n  lr: 1e-3\n")
+    assert reference_config(path).optim.lr == pytest.approx(1e-3)
 
 
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("train.lrr=0.1", "unknown config key 'train.lrr' (did you mean 'train.lr'?)"),
-        ("lr=0.1", "unknown config key 'lr' (did you mean 'train.lr'?)"),
+        ("optim.lrr=0.1", "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"),
+        ("train.lr=0.1", "unknown config key 'train.lr' (did you mean 'optim.lr'?)"),  # moved there
+        ("lr=0.1", "unknown config key 'lr' (did you mean 'optim.lr'?)"),
         ("train.epochs=ten", "train.epochs must be int, got 'ten'"),
         ("data.augment=maybe", "data.augment must be bool, got 'maybe'"),
         ("train.batch_size=0", "train.batch_size must be > 0, got 0"),
-        ("train.lr=-1", "train.lr must be > 0, got -1.0"),
+        ("optim.lr=-1", "optim.lr must be > 0, got -1.0"),
         ("data.name=imagenet", "data.name must be one of synthetic, imagefolder, cifar10; got 'imagenet'"),
         ("train=3", "train must be a section (key: value lines)"),
-        ("train.lr", "override 'train.lr' is not of the form section.key=value"),
+        ("optim.lr", "override 'optim.lr' is not of the form section.key=value"),
     ],
 )
 def test_bad_override_names_the_key(override, message):
@@ -64,7 +65,7 @@ def test_wrong_type_in_yaml(tmp_path):
 
 def test_yaml_syntax_error_gives_line(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_text("seed: 1\ntrain:\n  lr: [0.1\n  epochs: 2\n")
+    path.write_text("seed: 1\noptim:\n  lr: [0.1\n  epochs: 2\n")
     with pytest.raises(ConfigError, match=r"c.yaml line \d+: YAML syntax error"):
         reference_config(path)
 
@@ -75,7 +76,7 @@ def test_missing_file():
 
 
 def test_resolved_config_round_trips(tmp_path):
-    cfg = reference_config(CONFIG_YAML, ["train.lr=0.3"])
+    cfg = reference_config(CONFIG_YAML, ["optim.lr=0.3"])
     save_config(cfg, tmp_path / "resolved.yaml")
     assert reference_config(tmp_path / "resolved.yaml") == cfg
 
@@ -87,13 +88,13 @@ def test_static_graph_with_accumulation_is_refused():
 
 def test_print_config_shows_every_key_with_its_meaning():
     shown = subprocess.run(
-        [sys.executable, "train.py", "--print-config", "train.lr=0.3"],
+        [sys.executable, "train.py", "--print-config", "optim.lr=0.3"],
         cwd=machinery_project(),
         capture_output=True,
         text=True,
     ).stdout
     reparsed = reference_config(None, base=yaml.safe_load(shown))
-    assert reparsed == reference_config(CONFIG_YAML, ["train.lr=0.3"])
+    assert reparsed == reference_config(CONFIG_YAML, ["optim.lr=0.3"])
     assert "lr: 0.3" in shown and "(default 0.2)" in shown
     assert "  best_metric: val_acc" in shown and "(default val_loss)" in shown
     assert "  name: synthetic                        # synthetic (made from the seed) | imagefolder | cifar10" in shown
@@ -124,7 +125,7 @@ def write(tmp_path, text):
 
 
 def test_key_written_twice_in_a_section_is_refused(tmp_path):
-    path = write(tmp_path, "train:\n  lr: 0.1\n  lr: 0.2\n")
+    path = write(tmp_path, "optim:\n  lr: 0.1\n  lr: 0.2\n")
     with pytest.raises(
         ConfigError, match=r"c.yaml line 3: key 'lr' is written twice in one section \(first on line 2\); keep one$"
     ):
@@ -132,7 +133,7 @@ def test_key_written_twice_in_a_section_is_refused(tmp_path):
 
 
 def test_section_written_twice_is_refused(tmp_path):
-    path = write(tmp_path, "train:\n  lr: 0.1\nseed: 1\ntrain:\n  epochs: 2\n")
+    path = write(tmp_path, "train:\n  epochs: 1\nseed: 1\ntrain:\n  epochs: 2\n")
     with pytest.raises(
         ConfigError, match=r"c.yaml line 4: key 'train' is written twice in one section \(first on line 1\)"
     ):
@@ -141,8 +142,8 @@ def test_section_written_twice_is_refused(tmp_path):
 
 def test_yaml_merge_keys_still_work(tmp_path):
     """A key written once beside a merged mapping (`<<`) overrides it: not a duplicate."""
-    cfg = reference_config(write(tmp_path, "train:\n  <<: {lr: 0.1, epochs: 3}\n  lr: 0.3\n"))
-    assert cfg.train.lr == 0.3 and cfg.train.epochs == 3
+    cfg = reference_config(write(tmp_path, "optim:\n  <<: {lr: 0.1, momentum: 0.5}\n  lr: 0.3\n"))
+    assert cfg.optim.lr == 0.3 and cfg.optim.momentum == 0.5
 
 
 @pytest.mark.parametrize(
@@ -150,7 +151,7 @@ def test_yaml_merge_keys_still_work(tmp_path):
     [
         ("dist.timeout_minutes=1e300", "dist.timeout_minutes must be at most 1e+06, got 1e+300"),
         ("dist.step_timeout_minutes=1e7", "dist.step_timeout_minutes must be at most 1e+06, got 10000000.0"),
-        ("train.warmup_epochs=1e307", "train.warmup_epochs must be at most 1e+06, got 1e+307"),
+        ("optim.warmup_epochs=1e307", "optim.warmup_epochs must be at most 1e+06, got 1e+307"),
     ],
 )
 def test_finite_numbers_too_large_to_mean_anything_are_refused(override, message):
@@ -162,12 +163,12 @@ def test_finite_numbers_too_large_to_mean_anything_are_refused(override, message
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("train.lr=nan", "train.lr must be a finite number, got nan"),
-        ("train.momentum=inf", "train.momentum must be a finite number, got inf"),
-        ("train.weight_decay=nan", "train.weight_decay must be a finite number, got nan"),
+        ("optim.lr=nan", "optim.lr must be a finite number, got nan"),
+        ("optim.momentum=inf", "optim.momentum must be a finite number, got inf"),
+        ("optim.weight_decay=nan", "optim.weight_decay must be a finite number, got nan"),
         ("train.grad_clip=nan", "train.grad_clip must be a finite number, got nan"),
-        ("train.warmup_epochs=inf", "train.warmup_epochs must be a finite number, got inf"),
-        ("train.lr=1e400", "train.lr must be a finite number, got inf"),
+        ("optim.warmup_epochs=inf", "optim.warmup_epochs must be a finite number, got inf"),
+        ("optim.lr=1e400", "optim.lr must be a finite number, got inf"),
         ("dist.timeout_minutes=nan", "dist.timeout_minutes must be a finite number, got nan"),
         ("dist.bucket_cap_mb=-inf", "dist.bucket_cap_mb must be a finite number, got -inf"),
         ("model.dropout=nan", "model.dropout must be a finite number, got nan"),  # the task's sections too
@@ -182,11 +183,8 @@ def test_non_finite_numbers_are_refused(override, message):
 @pytest.mark.parametrize(
     "text, message",
     [
-        ("train:\n  lr: .nan\n", "train.lr must be a finite number, got nan"),
-        (
-            "train:\n  early_stopping_min_delta: .inf\n",
-            "train.early_stopping_min_delta must be a finite number, got inf",
-        ),
+        ("optim:\n  lr: .nan\n", "optim.lr must be a finite number, got nan"),
+        ("train:\n  grad_clip: .inf\n", "train.grad_clip must be a finite number, got inf"),
         ("dist:\n  step_timeout_minutes: 1.0e999\n", "dist.step_timeout_minutes must be a finite number, got inf"),
         ("model:\n  dropout: -.inf\n", "model.dropout must be a finite number, got -inf"),
     ],
@@ -221,11 +219,11 @@ def test_alias_bomb_gives_a_short_message(tmp_path):
     levels = ['&a ["x","x","x","x","x","x","x","x","x"]']
     for previous, name in zip("abcdefgh", "bcdefghi", strict=True):
         levels.append(f"&{name} [{','.join(['*' + previous] * 9)}]")
-    path = write(tmp_path, "train: {lr: [" + ", ".join(levels) + "]}\n")
+    path = write(tmp_path, "optim: {lr: [" + ", ".join(levels) + "]}\n")
     with pytest.raises(ConfigError) as error:
         reference_config(path)
     message = str(error.value)
-    assert message.startswith("train.lr must be float, got list [['x', 'x',") and len(message) < 150
+    assert message.startswith("optim.lr must be float, got list [['x', 'x',") and len(message) < 150
 
 
 def test_long_values_are_cut_short_in_messages():
@@ -240,7 +238,7 @@ def test_long_values_are_cut_short_in_messages():
 
 def test_config_that_is_not_utf8_names_the_byte(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_bytes(b"seed: 1\ntrain:\n  lr: 0.1  # caf\xe9\n")
+    path.write_bytes(b"seed: 1\noptim:\n  lr: 0.1  # caf\xe9\n")
     with pytest.raises(
         ConfigError,
         match=r"^config file '.*c.yaml' is not UTF-8 text: byte 0xe9 at position 31 \(line 3\) is not valid",
@@ -250,7 +248,7 @@ def test_config_that_is_not_utf8_names_the_byte(tmp_path):
 
 def test_control_character_in_config_names_its_line(tmp_path):
     path = tmp_path / "c.yaml"
-    path.write_bytes(b"seed: 1\ntrain:\n  lr: 0.1\x00\n")
+    path.write_bytes(b"seed: 1\noptim:\n  lr: 0.1\x00\n")
     with pytest.raises(ConfigError, match=r"c.yaml line 3: character U\+0000 is not allowed in YAML$"):
         reference_config(path)
 
@@ -258,9 +256,9 @@ def test_control_character_in_config_names_its_line(tmp_path):
 @pytest.mark.parametrize(
     "config, args, message",
     [
-        (None, ["train.lr=nan"], "error: train.lr must be a finite number, got nan"),
-        ("train:\n  lr: 0.1\n  lr: 0.2\n", [], "error: bad.yaml line 3: key 'lr' is written twice in one section"),
-        (b"train:\n  lr: 0.1 \xff\n", [], "error: config file 'bad.yaml' is not UTF-8 text: byte 0xff at position 17"),
+        (None, ["optim.lr=nan"], "error: optim.lr must be a finite number, got nan"),
+        ("optim:\n  lr: 0.1\n  lr: 0.2\n", [], "error: bad.yaml line 3: key 'lr' is written twice in one section"),
+        (b"optim:\n  lr: 0.1 \xff\n", [], "error: config file 'bad.yaml' is not UTF-8 text: byte 0xff at position 17"),
     ],
 )
 def test_bad_config_stops_train_py_with_one_line(config, args, message):
@@ -463,11 +461,11 @@ def test_default_factory_values_show_as_defaults():
 
 
 def test_config_from_a_checkpoint_dict_gets_its_tuples_back():
-    """A checkpoint stores dataclasses.asdict(cfg); where it comes back with lists, the
-    schema's tuples are tuples again."""
+    """A checkpoint stores cfg.to_dict(): YAML's types, lists for tuples; the schema's
+    tuples are tuples again."""
     cfg = rich_config(None, RICH_OVERRIDES)
-    stored = yaml.safe_load(yaml.safe_dump(dataclasses.asdict(cfg)).replace("!!python/tuple", ""))
+    stored = yaml.safe_load(yaml.safe_dump(cfg.to_dict()))
     assert stored["model"]["size"] == [128, 96]
     loaded = rich_config(None, [], base=stored)
     assert loaded == cfg and type(loaded.model.size) is tuple and type(loaded.model.heads[1].widths) is tuple
-    assert rich_config(None, [], base=dataclasses.asdict(cfg)) == cfg
+    assert rich_config(None, [], base=cfg.to_dict()) == cfg

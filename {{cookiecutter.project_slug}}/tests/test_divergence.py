@@ -4,11 +4,10 @@ diverge are in test_faults.py)."""
 import pytest
 import torch
 
-from conftest import reference_config
+from conftest import reference_config, reference_task
 from engine.checkpoint import Checkpointer
 from engine.distributed import DistEnv
 from engine.divergence import FOLD_EVERY, MIN_FP16_SCALE, DivergedError, LaggedValue, NonFiniteGuard
-from engine.optim import build_optimizer, build_scheduler
 from engine.training import TrainState, optimizer_step
 
 CPU = torch.device("cpu")
@@ -17,8 +16,9 @@ CPU = torch.device("cpu")
 def make_state(tmp_path, precision="fp32", *overrides):
     cfg = reference_config(None, ["train.grad_clip=0", f"output_dir={tmp_path}", *overrides])
     model = torch.nn.Linear(3, 2)
-    optimizer = build_optimizer(model, cfg.train, 0.1)
-    scheduler = build_scheduler(optimizer, cfg.train, steps_per_epoch=10)
+    recipe = reference_task().recipe
+    optimizer = recipe.build_optimizer(model, cfg, 1, {})
+    scheduler = recipe.build_scheduler(optimizer, cfg, steps_per_epoch=10)
     # An enabled scaler stands for fp16 on CUDA: on the CPU it skips and rescales alike.
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")
     last_good = Checkpointer(cfg, DistEnv(), CPU).last_good  # cfg's output_dir: none saved there

@@ -2,8 +2,10 @@
 
 import pytest
 
-from conftest import FAST, read_metrics, run_script
-from engine.early_stopping import EarlyStopping
+from conftest import FAST, read_metrics, reference_config, run_script
+from engine.distributed import DistEnv
+from engine.parts import early_stopping
+from engine.training import TrainState
 
 EPOCHS = 8
 ARGS = [
@@ -42,7 +44,7 @@ def test_the_run_ends_at_the_epoch_the_rule_gives_and_a_resume_keeps_its_count(t
     patience, min_delta = 2, sorted(gains)[-3] / 2  # half the third-largest gain: later, smaller ones do not count
     expected = stopping_epoch(reference, patience, min_delta)
     assert expected is not None and expected < EPOCHS - 1, (reference, min_delta)  # the setup stops early
-    args = [*ARGS, f"train.early_stopping_patience={patience}", f"train.early_stopping_min_delta={min_delta!r}"]
+    args = [*ARGS, f"early_stopping.patience={patience}", f"early_stopping.min_delta={min_delta!r}"]
     args.append(f"output_dir={tmp_path}")
     # Stopped mid-epoch one epoch before the end, once the count has started: resumed, it goes on.
     run_script("train.py", [*args, f"train.stop_at_step={expected * STEPS_PER_EPOCH - 3}"], nproc=2)
@@ -62,12 +64,12 @@ def test_the_run_ends_at_the_epoch_the_rule_gives_and_a_resume_keeps_its_count(t
 
 
 def test_off_by_default_and_each_epoch_counts_alike_on_every_rank():
-    off = EarlyStopping.off()
-    off.update({"val_loss": 1.0})
-    assert not off.stopped
-    rule = EarlyStopping(patience=2, min_delta=0.1, metric="val_acc", mode="max")
+    assert early_stopping.build(reference_config(), DistEnv()) is None  # off: no part, no hook
+    overrides = ["early_stopping.patience=2", "early_stopping.min_delta=0.1", "checkpoint.best_metric=val_acc"]
+    rule = early_stopping.build(reference_config(None, [*overrides, "checkpoint.best_mode=max"]), DistEnv())
+    state = TrainState(*[None] * 7, epoch=5, best_metric_value=0.65)
     for value in (0.5, 0.55, 0.65, 0.7):  # +0.05 does not count; +0.15 over the best does; +0.05 does not
-        rule.update({"val_acc": value})
-    assert (rule.best, rule.epochs_without_improvement, rule.stopped) == (0.65, 1, False)
-    rule.update({"val_acc": 0.74})
-    assert rule.stopped
+        rule.after_evaluation(state, {"val_acc": value})
+    assert (rule.best, rule.epochs_without_improvement, rule.stop_reason(state)) == (0.65, 1, None)
+    rule.after_evaluation(state, {"val_acc": 0.74})
+    assert rule.stop_reason(state).startswith("early stop after epoch 4: val_acc has not improved by more than 0.1")

@@ -1,5 +1,5 @@
-"""The EMA of the weights (train.ema_decay): its rule, a bitwise resume under DDP and FSDP,
-its metrics beside the model's, best.pt following them, and evaluate.py --ema."""
+"""The EMA of the weights (ema.decay): its rule, a bitwise resume under DDP and FSDP,
+its metrics beside the model's, best.pt following them, and evaluate.py --weights ema."""
 
 import json
 
@@ -9,15 +9,15 @@ import torch.nn as nn
 
 from conftest import FAST, read_metrics, run_script, tensors
 from engine.checkpoint import load_checkpoint
-from engine.ema import WeightEMA
+from engine.parts.ema import WeightEMA
 
 STEPS_PER_EPOCH = 256 // (16 * 2)
 ARGS = [
     *FAST,
     "data.train_size=256",
     "train.epochs=3",
-    "train.ema_decay=0.75",
-    "train.ema_start_step=3",
+    "ema.decay=0.75",
+    "ema.start_step=3",
     "checkpoint.best_metric=ema_val_loss",  # best.pt follows the EMA
     "checkpoint.best_mode=min",
 ]
@@ -25,7 +25,7 @@ ARGS = [
 
 def test_the_average_follows_the_weights_until_the_start_step_then_decays():
     model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
-    ema = WeightEMA(model, decay=0.75, start_step=2)
+    ema = WeightEMA(decay=0.75, start_step=2).attach(model)
     for step in range(1, 5):
         before = {name: tensor.clone() for name, tensor in ema.tensors.items()}
         with torch.no_grad():
@@ -71,17 +71,16 @@ def test_a_resumed_run_ends_with_the_same_average_and_reports_and_evaluates_it(t
 
     # evaluate.py on another number of processes gives the training run's figures exactly.
     last = str(whole / "checkpoints" / "last.pt")
-    for flag, prefix, nproc in ((["--ema"], "ema_", 3), ([], "", None)):
+    for flag, prefix, nproc in ((["--weights", "ema"], "ema_", 3), ([], "", None)):
         printed = run_script("evaluate.py", ["--checkpoint", last, *flag], nproc=nproc).stdout.splitlines()[-1]
-        assert json.loads(printed) | {"val_loss": rows[-1][f"{prefix}val_loss"], "ema": bool(flag)} == json.loads(
-            printed
-        )
+        expected = {"val_loss": rows[-1][f"{prefix}val_loss"], "weights": "ema" if flag else "model"}
+        assert json.loads(printed) | expected == json.loads(printed)
 
 
 def test_tied_weights_are_averaged_once_and_saved_under_each_name():
     model = nn.Sequential(nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False))
     model[1].weight = model[0].weight  # tied, as an embedding and its output layer
-    ema = WeightEMA(model, decay=0.5, start_step=0)
+    ema = WeightEMA(decay=0.5, start_step=0).attach(model)
     with torch.no_grad():
         model[0].weight.add_(2.0)
     before = ema.tensors["0.weight"].clone()
@@ -98,7 +97,7 @@ def test_fine_tuning_starts_the_average_from_the_loaded_weights(tmp_path):
     """init_from (and a checkpoint without an EMA) loads weights after the EMA was made."""
     run_script("train.py", [*FAST, "train.stop_at_step=8", f"output_dir={tmp_path / 'source'}"])
     source = tmp_path / "source" / "checkpoints" / "last.pt"
-    args = [*ARGS, "train.ema_decay=0.999999", "train.ema_start_step=0", "train.stop_at_step=1"]
+    args = [*ARGS, "ema.decay=0.999999", "ema.start_step=0", "train.stop_at_step=1"]
     run_script(
         "train.py",
         [*args, "checkpoint.resume=none", f"checkpoint.init_from={source}", f"output_dir={tmp_path / 'tuned'}"],

@@ -120,7 +120,7 @@ import train
 from engine.checkpoint import Checkpointer
 from engine.distributed import cleanup_distributed, init_distributed_mode, is_main
 
-cfg = train.load_config(None, sys.argv[2:], data=train.DataConfig, model=train.ModelConfig)
+cfg = train.load_config(None, sys.argv[2:], data=train.DataConfig, model=train.ModelConfig, optim=train.OptimConfig)
 env, device = init_distributed_mode(cfg.dist)
 checkpointer = Checkpointer(cfg, env, device)
 state = train.load_train_objs(cfg, env, device, checkpointer)[2]
@@ -132,7 +132,7 @@ cleanup_distributed()
 """
 
 
-SHARDED = [*RESUME, "train.optimizer=adamw", "train.epochs=1"]
+SHARDED = [*RESUME, "optim.name=adamw", "train.epochs=1"]
 
 
 @pytest.fixture(scope="module")

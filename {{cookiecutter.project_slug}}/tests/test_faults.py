@@ -219,7 +219,7 @@ def test_sharded_checkpoint_that_runs_code_is_refused_by_train_py(tmp_path):
 
 def test_own_checkpoints_hold_no_unsafe_globals(tmp_path):
     out = tmp_path / "run"
-    run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=5", "train.optimizer=adamw"], nproc=2)
+    run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=5", "optim.name=adamw"], nproc=2)
     for path in (out / "checkpoints").glob("*.pt"):
         assert torch.serialization.get_unsafe_globals_in_checkpoint(str(path)) == []
 
@@ -501,7 +501,7 @@ def test_bad_values_under_torchrun_are_one_line(tmp_path):
 
 def test_yaml_syntax_error_names_the_line(tmp_path):
     config = tmp_path / "bad.yaml"
-    config.write_text("train:\n  lr: 0.1\n  epochs: [2\n")
+    config.write_text("optim:\n  lr: 0.1\n  momentum: [2\n")
     result = run_script("train.py", ["--config", config], check=False)
     assert result.returncode == 2
     assert one_error_line(result).startswith(f"error: {config} line 4: YAML syntax error")
@@ -619,8 +619,8 @@ def test_failed_save_is_clear_and_keeps_previous_checkpoint(tmp_path):
 # on 1 or 2 processes). keep_last=1: a run that saved NaN would prune every good checkpoint.
 DIVERGING = [
     *FAST,
-    "train.lr=300",
-    "train.scale_lr=false",
+    "optim.lr=300",
+    "optim.scale_lr=false",
     "train.grad_clip=0",
     "checkpoint.every_steps=4",
     "checkpoint.keep_last=1",
@@ -641,7 +641,7 @@ def test_a_diverging_run_stops_every_rank_and_keeps_its_last_good_checkpoint(tmp
     assert line.startswith("error: training diverged: non-finite gradients at step "), line
     bad_step = int(line.split("at step ")[1].split(";")[0])
     assert good["step"] < bad_step <= good["step"] + 2 * 4  # caught at the next check (log or save)
-    assert f"last.pt (step {good['step']}), kept" in line and "train.lr (this run: 300)" in line
+    assert f"last.pt (step {good['step']}), kept" in line and "learning rate (this run's: 300;" in line
     assert all_finite(good) and good["step"] > 0
     suffix = "dcp" if strategy == "fsdp" else "pt"  # FSDP saves sharded folders
     assert [path.name for path in step_checkpoints(tmp_path / "checkpoints")] == [f"step-{good['step']:08d}.{suffix}"]

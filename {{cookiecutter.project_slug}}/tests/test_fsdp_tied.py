@@ -79,9 +79,9 @@ def validation_step(model, batch, metrics) -> None:
 """
 RUN = [
     "train.strategy=fsdp",
-    "train.optimizer=adamw",
-    "train.lr=0.05",
-    "train.scale_lr=false",
+    "optim.name=adamw",
+    "optim.lr=0.05",
+    "optim.scale_lr=false",
     "train.batch_size=16",
     "train.num_workers=0",
     "train.epochs=2",

@@ -32,10 +32,10 @@ def start_launcher(args: list) -> subprocess.Popen:
 
 
 def test_bad_input_on_two_processes_ends_with_the_projects_line_and_exit_code_2(tmp_path):
-    process = start_launcher([*FAST, "train.lr=-1", f"output_dir={tmp_path / 'run'}"])
+    process = start_launcher([*FAST, "optim.lr=-1", f"output_dir={tmp_path / 'run'}"])
     output = finish(process, [])
     assert process.returncode == 2, output
-    assert output.splitlines()[-1] == "error: train.lr must be > 0, got -1.0", output
+    assert output.splitlines()[-1] == "error: optim.lr must be > 0, got -1.0", output
     assert "Traceback" not in output and "FAILED" not in output, output
 
 
@@ -78,7 +78,7 @@ def shown(failures: dict[int, ProcessFailure]) -> tuple[str, int]:
     return failure_line(rank, cause), exit_code(cause)
 
 
-BAD_LR = ("error: train.lr must be > 0, got -1.0", 2)
+BAD_LR = ("error: optim.lr must be > 0, got -1.0", 2)
 LOST = ("rank 0 stopped: lost contact with another process: it crashed, was killed, ...", 1)
 
 

@@ -382,7 +382,7 @@ def test_after_resume_each_process_holds_memory_on_its_own_gpu_only(tmp_path):
     assert rows[0]["cuda_reserved_peak_mib"] <= 1.25 * rows[1]["cuda_reserved_peak_mib"]
 
 
-SHARDED_SETUP = [*FAST, "model.name=resnet18", "data.image_size=8", "train.strategy=fsdp", "train.optimizer=adamw"]
+SHARDED_SETUP = [*FAST, "model.name=resnet18", "data.image_size=8", "train.strategy=fsdp", "optim.name=adamw"]
 
 
 def run_sharded_setup(out, nproc, *args):

@@ -6,7 +6,7 @@ from conftest import FAST, read_metrics, run_script
 
 
 def test_rank_0_records_the_chosen_steps_into_a_trace_and_the_run_goes_on(tmp_path):
-    args = [*FAST, "train.epochs=1", "data.train_size=512", "train.profile_steps=3", "train.profile_start_step=4"]
+    args = [*FAST, "train.epochs=1", "data.train_size=512", "profiler.steps=3", "profiler.start_step=4"]
     run_script("train.py", [*args, f"output_dir={tmp_path}"], nproc=2)
     traces = list((tmp_path / "profile").glob("*.pt.trace.json"))
     assert [trace.name.split(".")[0] for trace in traces] == ["rank0"]  # rank 0 only, by default

@@ -1,13 +1,14 @@
-"""The training recipe: train.lr scaled to the effective batch, warmup in epochs."""
+"""The default recipe (recipe.py as generated, frozen in tests/reference_task): optim.lr
+scaled to the effective batch, warmup in epochs."""
 
-import dataclasses
 from itertools import pairwise
 
 import pytest
 import torch
 
-from conftest import reference_config
-from engine.optim import build_scheduler, describe_lr, lr_factor, scaled_lr, warmup_steps
+from conftest import reference_config, reference_task
+
+RECIPE = reference_task().recipe
 
 
 @pytest.mark.parametrize(
@@ -16,33 +17,33 @@ from engine.optim import build_scheduler, describe_lr, lr_factor, scaled_lr, war
         ([], 2, 0.2),  # 64 x 2 = 128: the reference batch itself
         ([], 4, 0.4),  # twice the batch, twice the rate
         (["train.batch_size=16", "train.accum_steps=4"], 8, 0.8),  # 512 samples per step
-        (["train.optimizer=adamw", "train.lr=0.001"], 8, 0.002),  # 512 = 4 x 128: square root
-        (["train.scale_lr=false", "train.lr=0.3"], 8, 0.3),
-        (["train.reference_batch=256"], 1, 0.05),
+        (["optim.name=adamw", "optim.lr=0.001"], 8, 0.002),  # 512 = 4 x 128: square root
+        (["optim.scale_lr=false", "optim.lr=0.3"], 8, 0.3),
+        (["optim.reference_batch=256"], 1, 0.05),
     ],
 )
 def test_lr_scales_with_the_effective_batch(overrides, world_size, expected):
     cfg = reference_config(None, overrides)
-    assert scaled_lr(cfg.train, world_size) == pytest.approx(expected)
+    assert RECIPE.scaled_lr(cfg, world_size) == pytest.approx(expected)
 
 
 def test_the_log_line_shows_how_the_lr_was_derived():
-    cfg = reference_config(None, ["train.batch_size=32", "train.warmup_epochs=0.5"])
-    line = describe_lr(cfg.train, world_size=2, steps_per_epoch=40)
-    assert line.startswith("lr 0.1 = train.lr 0.2 scaled from batch 128 to 32x2x1 (linear rule;")
+    cfg = reference_config(None, ["train.batch_size=32", "optim.warmup_epochs=0.5"])
+    line = RECIPE.describe(cfg, world_size=2, steps_per_epoch=40)
+    assert line.startswith("lr 0.1 = optim.lr 0.2 scaled from batch 128 to 32x2x1 (linear rule;")
     assert "warmup 20 steps" in line
-    as_is = describe_lr(reference_config(None, ["train.scale_lr=false"]).train, world_size=2, steps_per_epoch=40)
+    as_is = RECIPE.describe(reference_config(None, ["optim.scale_lr=false"]), world_size=2, steps_per_epoch=40)
     assert as_is == "lr 0.2, warmup 40 steps, cosine schedule"
-    few = describe_lr(cfg.train, world_size=2, steps_per_epoch=4)
+    few = RECIPE.describe(cfg, world_size=2, steps_per_epoch=4)
     assert few.endswith("; only 4 steps per epoch: a smaller effective batch or more epochs train better")
 
 
 @pytest.mark.parametrize("steps_per_epoch", [3, 40, 1000])
 def test_warmup_is_measured_in_epochs(steps_per_epoch):
-    train = reference_config(None, ["train.epochs=5", "train.warmup_epochs=1.5"]).train
-    warmup = warmup_steps(train, steps_per_epoch)
+    cfg = reference_config(None, ["train.epochs=5", "optim.warmup_epochs=1.5"])
+    warmup = RECIPE.warmup_steps(cfg.optim, steps_per_epoch)
     assert warmup == round(1.5 * steps_per_epoch)
-    factors = [lr_factor(step, train, steps_per_epoch) for step in range(5 * steps_per_epoch)]
+    factors = [RECIPE.lr_factor(step, cfg, steps_per_epoch) for step in range(5 * steps_per_epoch)]
     assert factors[0] == pytest.approx(1 / warmup) and factors[warmup - 1] == 1.0
     assert all(a < b for a, b in pairwise(factors[:warmup]))  # rises through warmup
     assert all(a >= b for a, b in pairwise(factors[warmup:]))  # then decays
@@ -50,15 +51,18 @@ def test_warmup_is_measured_in_epochs(steps_per_epoch):
 
 
 def test_scheduler_starts_at_the_warmup_rate():
-    train = reference_config(None, ["train.warmup_epochs=2"]).train
+    cfg = reference_config(None, ["optim.warmup_epochs=2"])
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.4)
-    scheduler = build_scheduler(optimizer, train, steps_per_epoch=10)
+    scheduler = RECIPE.build_scheduler(optimizer, cfg, steps_per_epoch=10)
     assert scheduler.get_last_lr()[0] == pytest.approx(0.4 / 20)
 
 
 def test_a_checkpoint_config_with_a_retired_key_still_loads():
-    """Configs stored in checkpoints by an older engine (warmup was in steps) evaluate."""
-    stored = dataclasses.asdict(reference_config(None, ["train.epochs=3"]))
-    stored["train"]["warmup_steps"] = 100
+    """Configs stored in checkpoints by an older engine (warmup was in steps, the optimizer's
+    settings in train) evaluate; so do those with sections of parts this project lacks."""
+    stored = reference_config(None, ["train.epochs=3"]).to_dict()
+    stored["train"] |= {"warmup_steps": 100, "lr": 0.5}
+    stored["swa"] = {"decay": 0.5}
     cfg = reference_config(None, base=stored)
-    assert cfg.train.epochs == 3 and not hasattr(cfg.train, "warmup_steps")
+    assert cfg.train.epochs == 3 and not hasattr(cfg.train, "warmup_steps") and not hasattr(cfg.train, "lr")
+    assert not hasattr(cfg, "swa") and cfg.optim.lr == 0.2

@@ -25,7 +25,7 @@ SEQUENCE_TASK = PROJECT / "tests" / "sequence_task"
 RUN = [
     "train.num_workers=0",
     "train.batch_size=16",
-    "train.lr=0.05",
+    "optim.lr=0.05",
     "train.epochs=2",
     "train.log_every_steps=8",
     "checkpoint.best_metric=val_mse",
@@ -102,7 +102,7 @@ def test_a_parameter_unused_in_forward_is_named_with_the_switch(task_project, tm
     assert read_metrics(fine)[0]["num_samples"] == 97
 
 
-SEQUENCE_RUN = ["train.num_workers=0", "train.batch_size=16", "train.optimizer=adamw", "train.lr=0.01"]
+SEQUENCE_RUN = ["train.num_workers=0", "train.batch_size=16", "optim.name=adamw", "optim.lr=0.01"]
 
 
 def test_the_sequence_model_depends_on_its_batch_mates():

@@ -51,7 +51,7 @@ def test_mlflow_records_config_curves_and_memory_in_one_run_across_a_resume(trac
     run = runs["first"]
     assert saved_runs(first)["mlflow"] == run.info.run_id != saved_runs(second)["mlflow"]
     assert run.info.status == "FINISHED"
-    assert run.data.params["train.lr"] == "0.1" and run.data.params["tracking.mlflow"] == "True"
+    assert run.data.params["optim.lr"] == "0.1" and run.data.params["tracking.mlflow"] == "True"
 
     rows = read_metrics(first)
     val_loss = client.get_metric_history(run.info.run_id, "val/loss")
@@ -79,7 +79,7 @@ def test_wandb_records_config_and_curves_in_one_run_across_a_resume(tracked):
                 )
             elif kind == "run":  # the config, as the run starts
                 config |= {item.key: json.loads(item.value_json) for item in record.run.config.update}
-    assert config["train.lr"] == 0.1 and config["tracking.wandb"] is True
+    assert config["optim.lr"] == 0.1 and config["tracking.wandb"] is True
     logged = {}
     for row in history:
         for key, value in row.items():

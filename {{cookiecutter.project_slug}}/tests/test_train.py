@@ -155,9 +155,9 @@ def test_without_the_tensorboard_package_training_goes_on_and_says_so_once(tmp_p
 
 
 def test_bad_config_is_one_line_and_exit_code_2(tmp_path):
-    result = run_script("train.py", ["train.lrr=0.1"], check=False)
+    result = run_script("train.py", ["optim.lrr=0.1"], check=False)
     assert result.returncode == 2
-    assert result.stderr.strip() == "error: unknown config key 'train.lrr' (did you mean 'train.lr'?)"
+    assert result.stderr.strip() == "error: unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"
 
 
 def test_bad_config_under_torchrun_is_reported_once(tmp_path):

@@ -28,9 +28,7 @@ from torchvision.models import resnet18
 from torchvision.models.resnet import BasicBlock
 
 from data import count_classes
-from engine.config import check_positive
-from engine.errors import ConfigError
-from engine.metrics import Mean
+from engine import ConfigError, Mean, check_positive
 from engine.pretrained import load_pretrained
 
 

@@ -62,7 +62,7 @@ def test_the_default_recipe_learns_on_any_number_of_processes(tmp_path, model, n
     args = [*SMALL_DEFAULT_RUN, *SHORTER[model], f"model.name={model}", f"output_dir={tmp_path}"]
     result = run_script("train.py", args, nproc=nproc, timeout=600, cwd=PROJECT)
     expected_lr = 0.2 * 32 * nproc / 128
-    assert f"lr {expected_lr:.4g} = train.lr 0.2 scaled from batch 128 to 32x{nproc}x1" in result.stdout
+    assert f"lr {expected_lr:.4g} = optim.lr 0.2 scaled from batch 128 to 32x{nproc}x1" in result.stdout
     metrics = read_metrics(tmp_path)
     assert all(math.isfinite(row["train_loss"]) for row in metrics)
     assert metrics[-1]["train_loss"] < 0.7 * metrics[0]["train_loss"]

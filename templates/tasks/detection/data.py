@@ -30,9 +30,7 @@ from torch.utils.data import Dataset
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
-from engine.config import check_choice, check_positive
-from engine.errors import ConfigError, UsageError
-from engine.seeding import derive_seed
+from engine import ConfigError, UsageError, check_choice, check_positive, derive_seed
 
 
 @dataclass

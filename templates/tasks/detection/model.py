@@ -31,9 +31,7 @@ from torchvision.models.detection.backbone_utils import BackboneWithFPN
 from torchvision.models.resnet import BasicBlock
 from torchvision.ops.feature_pyramid_network import LastLevelP6P7
 
-from engine.config import check_positive
-from engine.errors import ConfigError, UsageError
-from engine.metrics import Gathered
+from engine import ConfigError, Gathered, UsageError, check_positive
 
 
 @dataclass

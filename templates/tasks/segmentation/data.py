@@ -29,9 +29,7 @@ from torch.utils.data import Dataset
 from torchvision import tv_tensors
 from torchvision.transforms import v2
 
-from engine.config import check_choice, check_positive
-from engine.errors import ConfigError, UsageError
-from engine.seeding import derive_seed
+from engine import ConfigError, UsageError, check_choice, check_positive, derive_seed
 
 MEAN, STD = (0.5, 0.5, 0.5), (0.25, 0.25, 0.25)
 IGNORE = 255  # mask value of pixels that count for no class (VOC's object borders)

@@ -29,8 +29,7 @@ from torchvision.models.mobilenetv3 import InvertedResidual
 from torchvision.models.segmentation import lraspp_mobilenet_v3_large
 
 from data import IGNORE
-from engine.errors import ConfigError
-from engine.metrics import Mean, Sum
+from engine import ConfigError, Mean, Sum
 
 
 @dataclass

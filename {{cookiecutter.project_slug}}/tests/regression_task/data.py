@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
-from engine.config import check_positive
+from engine import check_positive
 
 Targets = namedtuple("Targets", ["main", "aux"])
 

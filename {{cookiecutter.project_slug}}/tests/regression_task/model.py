@@ -7,7 +7,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine.metrics import Gathered, Mean
+from engine import Gathered, Mean
 
 
 @dataclass

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.data import Dataset
 
-from engine.config import check_positive
+from engine import check_positive
 
 VOCAB = 16
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from engine.metrics import Gathered, Mean, Sum
+from engine import Gathered, Mean, Sum
 
 
 @dataclass

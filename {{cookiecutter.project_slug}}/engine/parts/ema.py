@@ -1,7 +1,9 @@
-"""An exponential moving average (EMA) of the model's weights (train.ema_decay).
+"""An exponential moving average (EMA) of the model's weights (ema.decay), evaluated beside
+them (its metrics as ema_val_*) and saved beside them in checkpoints (evaluate.py
+--weights ema evaluates it alone).
 
 After every optimizer step: ema = decay x ema + (1 - decay) x weights, one fused op on the
-device, no host sync. Until train.ema_start_step it simply follows the weights. The
+device, no host sync. Until ema.start_step it simply follows the weights. The
 average covers the model's state dict (parameters and persistent buffers; integer
 buffers such as BatchNorm's batch count are copied). Under FSDP it holds each tensor
 sharded like the model, so no rank holds the whole average either.
@@ -11,15 +13,32 @@ To evaluate it, `swapped_into_model()` exchanges it with the model's weights in 
 """
 
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from engine.distributed import is_main
+from engine.config import check_positive, shown
+from engine.errors import ConfigError
+from engine.parts import Part
 
-EMA_KEY = "ema"  # its entry in a checkpoint
+
+@dataclass
+class Section:
+    decay: float = 0.0  # an average of the weights, evaluated beside them (e.g. 0.999); 0 = off
+    start_step: int = 0  # until this optimizer step the average just follows the weights
+
+    def __post_init__(self):
+        check_positive("ema.decay", self.decay, allow_zero=True)
+        check_positive("ema.start_step", self.start_step, allow_zero=True)
+        if self.decay >= 1:
+            raise ConfigError(f"ema.decay must be below 1 (e.g. 0.999), got {shown(self.decay)}")
+
+
+def build(cfg, env) -> "WeightEMA | None":
+    return WeightEMA(cfg.ema.decay, cfg.ema.start_step) if cfg.ema.decay else None
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -27,14 +46,34 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
-class WeightEMA:
-    def __init__(self, model: nn.Module, decay: float, start_step: int):
-        self.model, self.decay, self.start_step = model, decay, start_step
+class WeightEMA(Part):
+    name = "ema"
+    holds_weights = True
+
+    def __init__(self, decay: float, start_step: int):
+        self.decay, self.start_step = decay, start_step
+
+    def setup(self, state) -> None:
+        self.attach(state.model)
+
+    def after_step(self, state) -> None:
+        self.update(state.step)
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return self.tensors
+
+    def reset_weights(self) -> None:
+        self.reset()
+
+    def attach(self, model: nn.Module) -> "WeightEMA":
+        """Start the average at `model`'s weights (unwrapped: sharded or not)."""
+        self.model = model
         self.names = list(model.state_dict())  # a tied tensor is there under each of its names
         with torch.no_grad():
             self.averages = {name: tensor.detach().clone() for name, tensor in self.live().items()}
         self.averaged = [name for name, tensor in self.averages.items() if tensor.is_floating_point()]
         self.copied = [name for name in self.averages if name not in self.averaged]
+        return self
 
     def live(self) -> dict[str, torch.Tensor]:
         """The model's tensors by the first state-dict name of each (tied weights once),
@@ -77,12 +116,6 @@ class WeightEMA:
         live = self.live()
         for name, average in self.averages.items():
             local(average).copy_(local(live[name]))
-
-    def full_state_dict(self) -> dict[str, torch.Tensor]:
-        """Whole tensors on the CPU, on rank 0 ({} elsewhere, as for the model's). Every
-        rank must call this: under FSDP it gathers."""
-        whole = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in self.tensors.items()}
-        return {name: t.detach().cpu() for name, t in whole.items()} if is_main() else {}
 
     @contextlib.contextmanager
     def swapped_into_model(self):

@@ -1,0 +1,93 @@
+"""Optional features of a run, each a `Part` in a module of this package.
+
+A part module defines `Section`, the dataclass of its config section (named like the
+module: `ema:` in config.yaml for ema.py), and `build(cfg, env)`, which returns the part,
+or None when its settings leave it off. The run finds the modules present; a project
+generated without a feature has no module for it, and so no section, key or hook.
+
+The core calls a part only through the hooks of `Part` below, each a no-op by default.
+"""
+
+import contextlib
+import importlib
+import pkgutil
+from types import ModuleType
+
+import torch.nn as nn
+
+
+class Part:
+    """An optional feature plugged into the run. Override the hooks it needs."""
+
+    name = ""  # its config section, and its entry in checkpoints
+
+    # Set-up
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """The model as built by the task, before it is moved and wrapped."""
+        return model
+
+    def joins_later(self, model: nn.Module, steps_per_epoch: int) -> dict[str, int]:
+        """Parameters frozen now that are trained from a later step: {name: step} (recipe.py)."""
+        return {}
+
+    def setup(self, state) -> None:
+        """Once the run's TrainState is built (`state`), before the resume."""
+
+    def start(self, state) -> None:
+        """After the resume, before the first step."""
+
+    # Training
+    def start_epoch(self, state) -> bool:
+        """At each epoch's start; True if the model must be wrapped again."""
+        return False
+
+    def after_step(self, state) -> None:
+        """After each optimizer step."""
+
+    def after_evaluation(self, state, val_metrics: dict) -> None:
+        """After each epoch's evaluation, before its checkpoint."""
+
+    def stop_reason(self, state) -> str | None:
+        """Why the run ends before its last epoch, if it does."""
+        return None
+
+    # Checkpoints: small state, the same on every rank
+    def state_dict(self) -> dict | None:
+        return None
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+    def before_load(self, state, trained_epoch: int) -> None:
+        """Before a checkpoint written in `trained_epoch` is loaded into the model."""
+
+    # A second set of the model's weights (e.g. their average), saved, loaded and evaluated
+    # as the model's are, under the part's name
+    holds_weights = False
+
+    def weights(self) -> dict:
+        """The part's tensors by the model's state-dict names, sharded as the model's are."""
+        return {}
+
+    def swapped_into_model(self) -> contextlib.AbstractContextManager:
+        """A context in which the model holds the part's weights instead of its own."""
+        return contextlib.nullcontext()
+
+    def reset_weights(self) -> None:
+        """The part's weights := the model's (a checkpoint without them, or fine-tuning)."""
+
+
+def modules() -> list[ModuleType]:
+    """The part modules of this project, by name."""
+    names = sorted(info.name for info in pkgutil.iter_modules(__path__))
+    return [importlib.import_module(f"{__name__}.{name}") for name in names]
+
+
+def sections() -> dict[str, type]:
+    """Each part's config section class, by section name."""
+    return {module.__name__.rsplit(".", 1)[-1]: module.Section for module in modules()}
+
+
+def build_parts(cfg, env) -> list[Part]:
+    """The parts this run's settings turn on."""
+    return [part for module in modules() if (part := module.build(cfg, env)) is not None]

@@ -8,6 +8,24 @@ CI_WORKFLOW = "{{ cookiecutter.ci_workflow }}" == "True"
 SLURM_SCRIPT = "{{ cookiecutter.slurm_script }}" == "True"
 TENSORBOARD = "{{ cookiecutter.tensorboard }}" == "True"
 
+# Each optional part (engine/parts): its answer, and the files that are all of it.
+PARTS = {
+    "ema": "{{ cookiecutter.ema }}" == "True",
+    "early_stopping": "{{ cookiecutter.early_stopping }}" == "True",
+    "freezing": "{{ cookiecutter.freezing }}" == "True",
+    "profiler": "{{ cookiecutter.profiler }}" == "True",
+    "tracking": "{{ cookiecutter.tracking }}" == "True",
+    "memory_report": "{{ cookiecutter.memory_report }}" == "True",
+}
+PART_FILES = {
+    "ema": ["engine/parts/ema.py", "tests/test_ema.py", "docs/ema.md"],
+    "early_stopping": ["engine/parts/early_stopping.py", "tests/test_early_stopping.py", "docs/early-stopping.md"],
+    "freezing": ["engine/parts/freeze.py", "tests/test_freezing.py", "docs/freezing.md"],
+    "profiler": ["engine/parts/profiler.py", "tests/test_profiling.py", "docs/profiler.md"],
+    "tracking": ["engine/parts/tracking.py", "tests/test_trackers.py", "tests/test_tensorboard.py", "docs/tracking.md"],
+    "memory_report": ["engine/parts/memory.py", "tests/test_memory_report.py", "docs/memory.md"],
+}
+
 
 def remove(path: str) -> None:
     """Remove one of the template's files, then its folders if that left them empty (a
@@ -24,6 +42,10 @@ def remove_unchosen() -> None:
         remove(".github/workflows/ci.yml")
     if not SLURM_SCRIPT:
         remove("scripts/slurm/train.sbatch")
+    for part, chosen in PARTS.items():
+        if not chosen:
+            for path in PART_FILES[part]:
+                remove(path)
 
 
 def next_steps() -> str:
@@ -32,17 +54,17 @@ def next_steps() -> str:
         "",
         f"  cd {SLUG}",
         "  python -m venv .venv && . .venv/bin/activate",
-        '  pip install -e ".[dev]"                             # tests, lint, tensorboard',
+        '  pip install -e ".[dev]"                             # tests, lint, packages of the parts',
         "  torchrun --standalone --nproc_per_node=2 train.py   # 2 processes (GPUs if present, else CPU)",
         "  python train.py                                     # or a single process",
         "  pytest                                              # the project's own tests",
     ]
-    if TENSORBOARD:
+    if TENSORBOARD and PARTS["tracking"]:
         lines.append("  tensorboard --logdir runs                           # the curves")
     if SLURM_SCRIPT:
         lines.append("  sbatch scripts/slurm/train.sbatch                   # on a SLURM cluster")
     lines.append("  git init && pre-commit install                      # ruff on every commit")
-    lines += ["", "Edit model.py, data.py and config.yaml; README.md says where everything else lives."]
+    lines += ["", "Edit model.py, data.py, recipe.py and config.yaml; README.md says where everything else lives."]
     return "\n".join(lines)
 
 

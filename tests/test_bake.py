@@ -9,12 +9,12 @@ import sys
 import tomllib
 
 import pytest
-from conftest import CHOICES, TEMPLATE, bake
+from conftest import CHOICES, TEMPLATE, WITHOUT_PARTS, bake
 from cookiecutter.exceptions import FailedHookException
 
 # The top of a baked project: what the user edits, and one package of machinery.
 USER_FILES = {"train.py", "evaluate.py", "export.py", "model.py", "data.py", "recipe.py", "config.yaml"}
-TOP_LEVEL = USER_FILES | {"engine", "tests", "scripts", "README.md", "LICENSE", "pyproject.toml"}
+TOP_LEVEL = USER_FILES | {"engine", "tests", "scripts", "docs", "README.md", "LICENSE", "pyproject.toml"}
 
 
 def rendered_files(project):
@@ -194,3 +194,49 @@ def test_the_machinerys_tests_train_a_frozen_copy_of_the_example(baked):
         header, _, body = (baked / "tests" / "reference_task" / name).read_text().partition("\n")
         assert header.startswith(("# The example task, frozen", "# The project's"))
         assert body == (baked / name).read_text(), name
+
+
+# What names each part in config.yaml and pyproject.toml (README.md and docs/: test_readme.py).
+PART_WORDS = {
+    "ema": [r"\bema\b", r"\bEMA\b"],
+    "early_stopping": [r"early.stop", r"Early stop"],
+    "freezing": [r"\bfreeze\.", r"\bfreez", r"\bFreez"],
+    "profiler": [r"\bprofiler\b", r"\bProfiler\b"],
+    "tracking": [r"\btracking\b", r"TensorBoard", r"tensorboard", r"W&B", r"wandb", r"MLflow", r"mlflow"],
+    "memory_report": [r"memory report", r"memory table", r"nvidia-ml-py", r"NVML"],
+}
+
+
+def print_config_keys(project) -> set[str]:
+    printed = subprocess.run(
+        [sys.executable, "train.py", "--print-config"], cwd=project, capture_output=True, text=True, check=True
+    ).stdout
+    keys, section = set(), ""
+    for line in printed.splitlines():
+        if re.match(r"^\S[^:]*:\s*$", line):
+            section = line.rstrip(":") + "."
+        elif re.match(r"^\s+\w+:", line):
+            keys.add(section + line.split(":")[0].strip())
+        elif re.match(r"^\w+:", line):
+            keys.add(line.split(":")[0])
+    return keys
+
+
+def test_a_part_answered_no_leaves_no_file_config_key_or_line_of_text(tmp_path):
+    full, bare = bake(tmp_path / "full"), bake(tmp_path / "bare", **WITHOUT_PARTS)
+    full_files, bare_files = ({str(p.relative_to(root)) for p in rendered_files(root)} for root in (full, bare))
+    gone = full_files - bare_files
+    assert bare_files <= full_files and gone, gone
+    assert all(name.startswith(("engine/parts/", "tests/test_", "docs/")) for name in gone), gone
+    assert sorted(p.name for p in (bare / "engine" / "parts").iterdir()) == ["__init__.py"]
+
+    full_keys, bare_keys = print_config_keys(full), print_config_keys(bare)
+    part_sections = {"ema.", "early_stopping.", "freeze.", "profiler.", "tracking."}
+    assert {key for key in full_keys if key.startswith(tuple(part_sections))}  # the default bake has them
+    assert bare_keys == {key for key in full_keys if not key.startswith(tuple(part_sections))}
+
+    for path in (bare / "config.yaml", bare / "pyproject.toml"):
+        for number, line in enumerate(path.read_text().splitlines(), 1):
+            for part, words in PART_WORDS.items():
+                found = [word for word in words if re.search(word, line)]
+                assert not found, f"{path.relative_to(bare)}:{number} names the {part} part: {line}"

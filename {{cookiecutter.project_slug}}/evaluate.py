@@ -25,11 +25,12 @@ from engine.distributed import (
     prepare_on_node_leaders,
     stop_all_if_any_fails,
 )
+from engine.host import set_host_allocator
 from engine.loader import build_val_loader
 from engine.logs import report_errors
-from engine.memory import set_host_allocator
 from engine.metrics import evaluate
 from engine.parallel import build_for_evaluation, is_sharded
+from engine.preemption import leave_stop_signals_to_the_rank
 from model import BLOCKS, ModelConfig, build_metrics, build_model, validation_step
 from recipe import OptimConfig
 
@@ -62,7 +63,8 @@ def main(argv=None) -> None:
         model = build_for_evaluation(lambda: build_model(cfg), cfg, env, device, BLOCKS)
         load_weights(model, Path(args.checkpoint), ckpt, part=args.weights)
         # Its workers end with the `with`, before the process group does.
-        with build_val_loader(val_set, cfg, env, device, getattr(data, "collate_fn", None)) as val_loader:
+        hooks = {"collate_fn": getattr(data, "collate_fn", None), "worker_init_fn": leave_stop_signals_to_the_rank}
+        with build_val_loader(val_set, cfg, env, device, **hooks) as val_loader:
             metrics = evaluate(model, val_loader, validation_step, build_metrics(cfg), device, cfg.train.precision)
         if is_main():
             shown = {"checkpoint": args.checkpoint, "step": ckpt.get("step"), "weights": args.weights}

@@ -32,15 +32,14 @@ from engine.distributed import (
     stop_all_if_any_fails,
 )
 from engine.divergence import NonFiniteGuard
-from engine.gpu_processes import report_gpu_processes
+from engine.host import freeze_setup_objects, set_host_allocator
 from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
 from engine.logs import QuietLog, RunLog, log, report_errors
-from engine.memory import freeze_setup_objects, report_memory, set_host_allocator, train_state_mib
 from engine.metrics import evaluate
 from engine.parallel import build_and_wrap, is_sharded, memory_format, wrap_again
 from engine.parts import build_parts
 from engine.precision import build_grad_scaler, check_precision
-from engine.preemption import StopRequest
+from engine.preemption import StopRequest, leave_stop_signals_to_the_rank
 from engine.run_lock import RunLock
 from engine.seeding import capture_rng_state, derive_seed, restore_rng_state, seed_everything, set_determinism
 from engine.training import EpochStats, TrainState, forward_backward, optimizer_step
@@ -84,7 +83,6 @@ def main(argv=None) -> None:
             sanity_check(state, val_loader, cfg, checkpointer)
         # Rank 0's log and trackers (a QuietLog elsewhere), closed at the end: their runs as failed on an error.
         with start_run_log(cfg, env, state, train_loader, val_loader) as run_log:
-            report_gpu_processes(device, "start")  # after the resume: what a load left on another rank's GPU shows
             # A hang fails the run after dist.step_timeout_minutes once the first step is done.
             shorten_timeout_after_first_step(state.optimizer, cfg.dist.step_timeout_minutes, [stop.group])
             for part in state.parts:
@@ -127,9 +125,10 @@ def load_train_objs(cfg, env, device, checkpointer: Checkpointer):
     prepare_on_node_leaders(prepare_data, cfg, env, device)  # downloads: one process per node at a time
     with stop_all_if_any_fails(device):
         train_set, val_set = build_datasets(cfg)  # every process reads at once
-    collate_fn = getattr(data, "collate_fn", None)  # data.py may define one
-    train_loader = build_train_loader(train_set, cfg, env, device, collate_fn)
-    val_loader = build_val_loader(val_set, cfg, env, device, collate_fn)
+    # data.py may define collate_fn; workers leave the launcher's stop signals to their rank.
+    hooks = {"collate_fn": getattr(data, "collate_fn", None), "worker_init_fn": leave_stop_signals_to_the_rank}
+    train_loader = build_train_loader(train_set, cfg, env, device, **hooks)
+    val_loader = build_val_loader(val_set, cfg, env, device, **hooks)
     steps = steps_per_epoch(train_loader, cfg)
 
     seed_everything(cfg.seed)  # the same initial weights on every rank
@@ -180,8 +179,7 @@ def start_run_log(cfg, env, state: TrainState, train_loader, val_loader) -> RunL
                 f"{per_step}; {state.steps_per_epoch} steps/epoch"
             )
             log(recipe.describe(cfg, env.world_size, state.steps_per_epoch))
-            run_log = RunLog(cfg, per_step, state.step, state.tracker_runs)  # W&B, MLflow: go on in the same runs
-            state.tracker_runs = run_log.tracker_runs  # kept in the checkpoints
+            run_log = RunLog(cfg, per_step, state.step, state.parts)  # and the parts' records, e.g. trackers
     return run_log
 
 
@@ -250,10 +248,11 @@ def end_epoch(state: TrainState, val_loader, cfg, stop: StopRequest, checkpointe
         restore_rng_state(rng)
         run_log.log(f"the evaluation of epoch {state.epoch} stopped; the next run evaluates it again")
         return False
-    memory = report_memory(state.device, f"epoch {state.epoch}", train_state_mib(state.model, state.optimizer))
     row = {"epoch": state.epoch, "step": state.step, **train_metrics, **val_metrics}
-    # outside_train_s: the evaluation's and the memory report's time.
-    row |= {"lr": state.scheduler.get_last_lr()[0], "memory": memory, "outside_train_s": time.perf_counter() - start}
+    for part in state.parts:
+        row |= part.epoch_figures(state)  # e.g. every rank's memory
+    # outside_train_s: the evaluation's time, and the parts' (e.g. the memory report's).
+    row |= {"lr": state.scheduler.get_last_lr()[0], "outside_train_s": time.perf_counter() - start}
     # The row before the checkpoint: if the save fails, the next run does the epoch again
     # from the previous checkpoint and rewinds metrics.jsonl to it (RunLog).
     with stop_all_if_any_fails(state.device):

@@ -2,7 +2,7 @@
 
 The schema is made of sections, each a dataclass. `data` (DataConfig in data.py),
 `model` (ModelConfig in model.py) and `optim` (OptimConfig in recipe.py) are the
-project's; `train`, `checkpoint`, `dist` and `tracking` below belong to the machinery,
+project's; `train`, `checkpoint` and `dist` below belong to the machinery,
 and each optional part has its own (`ema`, `freeze`...: engine/parts). config.yaml holds
 only what a project sets differently from these defaults; `python train.py --print-config`
 shows every key with its value and meaning, and each run saves that in
@@ -55,7 +55,6 @@ class TrainConfig:
     sanity_check: bool = True  # before training: validation_step and the metrics on 2 batches per process
     num_workers: int = 2  # DataLoader worker processes per process
     log_every_steps: int = 10
-    tensorboard: bool = True  # curves in output_dir/tensorboard (rank 0; needs the tensorboard package)
     stop_at_step: int = 0  # stop with a checkpoint at this optimizer step; 0 = run all epochs
     deterministic: bool = False  # torch.use_deterministic_algorithms
 
@@ -111,25 +110,12 @@ class DistConfig:
 
 
 @dataclass
-class TrackingConfig:
-    wandb: bool = False  # Weights & Biases run (rank 0; pip install -e ".[wandb]"; WANDB_MODE=offline: no network)
-    mlflow: bool = False  # MLflow run at MLFLOW_TRACKING_URI, else ./mlflow.db (pip install -e ".[mlflow]")
-    project: str = "{{ cookiecutter.project_slug }}"  # the W&B project and the MLflow experiment
-    run_name: str = ""  # the tracker run's name; "" = output_dir's folder name
-
-    def __post_init__(self):
-        if not self.project:
-            raise ConfigError("tracking.project must not be empty")
-
-
-@dataclass
 class Config:
     seed: int = 0
     output_dir: str = "runs/default"  # checkpoints, metrics.jsonl, the resolved config
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
-    tracking: TrackingConfig = field(default_factory=TrackingConfig)  # TensorBoard: train.tensorboard
     # The project's sections (data, model, optim) and the parts' (engine/parts), by name:
     # cfg.data is cfg.sections["data"].
     sections: dict[str, Any] = field(default_factory=dict)

@@ -15,40 +15,19 @@ and launch) but for how it ends:
   reports.
 
 A process leaves its line where torchrun looks for a failure's message: the error file
-torchrun names in TORCHELASTIC_ERROR_FILE (`hand_to_launcher`, in the format of torch's
-`@record`), so plain torchrun's summary shows the line too.
+torchrun names in TORCHELASTIC_ERROR_FILE (engine.logs.hand_to_launcher, in the format of
+torch's `@record`), so plain torchrun's summary shows the line too.
 """
 
-import contextlib
-import json
 import os
 import signal
 import sys
-import time
-from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import ProcessFailure, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.run import parse_args, run
 
-ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each process it starts
-
-
-def hand_to_launcher(line: str, exit_code: int) -> None:
-    """Leave this process's last word (one line) and the exit code it is about to exit
-    with in the error file torchrun gave it, if any. The code matters: torchrun sends
-    SIGTERM to the other processes as soon as one exits, which may end this one before
-    its exit. Best effort: the line is on stderr already."""
-    path = os.environ.get(ERROR_FILE_VARIABLE)
-    if path:
-        with contextlib.suppress(OSError):
-            write_last_word(path, line, exit_code)
-
-
-def write_last_word(path: str, line: str, exit_code: int) -> None:
-    # @record's layout: torchrun's summary shows `py_callstack`, here the line itself.
-    extra = {"py_callstack": line, "timestamp": str(int(time.time()))}
-    Path(path).write_text(json.dumps({"message": {"message": line, "errorCode": exit_code, "extraInfo": extra}}))
+from engine.logs import ERROR_FILE_VARIABLE
 
 
 def main(argv: list[str] | None = None) -> int:

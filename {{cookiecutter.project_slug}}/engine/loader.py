@@ -14,9 +14,6 @@ dataclasses of them, nested to any depth (`move_to_device`).
 """
 
 import dataclasses
-import os
-import signal
-import threading
 from collections.abc import Callable, Mapping
 
 import torch
@@ -25,7 +22,6 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 from engine.config import Config, effective_batch
 from engine.distributed import DistEnv
 from engine.errors import UsageError
-from engine.preemption import STOP_SIGNALS
 from engine.seeding import derive_seed, sample_seeds
 
 
@@ -134,19 +130,19 @@ def steps_per_epoch(train_loader: DataLoader, cfg: Config) -> int:
     return train_loader.sampler.num_batches // cfg.train.accum_steps
 
 
-def build_train_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device, collate_fn) -> DataLoader:
-    """`collate_fn` makes a batch from a list of samples (None: torch's default_collate)."""
+def build_train_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device, **hooks) -> DataLoader:
+    """`hooks`: `collate_fn` makes a batch from a list of samples (None: torch's
+    default_collate); `worker_init_fn` runs first in each worker process."""
     sampler = TrainSampler(
         dataset, env, cfg.seed, cfg.train.batch_size, micro_batches_per_epoch(len(dataset), cfg, env)
     )
-    return make_loader(
-        SeededSamples(dataset), cfg, device, collate_fn, sampler=sampler, batch_size=cfg.train.batch_size
-    )
+    return make_loader(SeededSamples(dataset), cfg, device, hooks, sampler=sampler, batch_size=cfg.train.batch_size)
 
 
-def build_val_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device, collate_fn) -> DataLoader:
+def build_val_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device, **hooks) -> DataLoader:
+    """`hooks`: as for build_train_loader."""
     batches = EvalBatches(len(dataset), cfg.train.eval_batch_size, env)
-    return make_loader(dataset, cfg, device, collate_fn, batch_sampler=batches)
+    return make_loader(dataset, cfg, device, hooks, batch_sampler=batches)
 
 
 class RankDataLoader(DataLoader):
@@ -179,43 +175,23 @@ class RankDataLoader(DataLoader):
             shutdown()
 
 
-def make_loader(dataset, cfg: Config, device: torch.device, collate_fn, **sampling) -> DataLoader:
-    """`sampling`: sampler and batch_size, or a batch_sampler."""
+def make_loader(dataset, cfg: Config, device: torch.device, hooks: dict, **sampling) -> DataLoader:
+    """`hooks`: collate_fn and worker_init_fn (None: torch's defaults); `sampling`: sampler
+    and batch_size, or a batch_sampler."""
     workers = cfg.train.num_workers
     return RankDataLoader(
         dataset,
         **sampling,
-        collate_fn=collate_fn,  # None: torch's default_collate
+        collate_fn=hooks.get("collate_fn"),  # None: torch's default_collate
         num_workers=workers,
         pin_memory=device.type == "cuda",  # pinned host memory only helps copies to a GPU
         persistent_workers=workers > 0,  # no worker start-up cost at every epoch
         prefetch_factor=2 if workers > 0 else None,
-        worker_init_fn=leave_stop_signals_to_the_rank,
+        worker_init_fn=hooks.get("worker_init_fn"),
         # Its own generator: creating an iterator must not draw from the global RNG, or
         # a resumed run's dropout would diverge from the uninterrupted run's.
         generator=torch.Generator().manual_seed(cfg.seed),
     )
-
-
-def leave_stop_signals_to_the_rank(worker_id: int) -> None:
-    """In each DataLoader worker: ignore the stop signals unless its rank sends them.
-
-    Launchers signal a rank's whole process group (torchrun's SIGTERM, SLURM's SIGUSR1),
-    workers included; a worker killed by one takes its rank down with a traceback before
-    the rank can save its stop checkpoint. But the rank itself ends leftover workers with
-    SIGTERM when it exits, so a SIGTERM from the rank is still obeyed: a thread waits for
-    SIGTERM and reads who sent it."""
-    for sig in STOP_SIGNALS:
-        if sig != signal.SIGTERM:
-            signal.signal(sig, signal.SIG_IGN)
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started next inherit it
-    threading.Thread(target=exit_on_sigterm_from, args=(os.getppid(),), daemon=True).start()
-
-
-def exit_on_sigterm_from(rank_pid: int) -> None:
-    while signal.sigwaitinfo({signal.SIGTERM}).si_pid != rank_pid:
-        pass  # from the launcher: the rank stops, then ends this worker
-    os._exit(0)
 
 
 def map_leaves(obj, fn: Callable, is_leaf: Callable):

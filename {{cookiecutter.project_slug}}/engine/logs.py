@@ -1,11 +1,15 @@
-"""What the run tells people: console lines, progress, metrics.jsonl and the trackers.
+"""What the run tells people: console lines, progress, metrics.jsonl, and the parts that
+record the run's figures (e.g. trackers).
 
 Rank 0 reports: it holds the RunLog, and every other rank a QuietLog with the same
 methods doing nothing, so the loop reads the same on every rank. One-off lines elsewhere
 say `if is_main():` at the call site.
 """
 
+import contextlib
 import functools
+import json
+import os
 import re
 import sys
 import time
@@ -16,8 +20,6 @@ from tqdm import tqdm
 from engine.distributed import PeerFailed, flight_recorder_file, get_rank, is_main, lost_peer
 from engine.errors import UsageError
 from engine.files import append_json_line, rewind_json_lines
-from engine.launch import hand_to_launcher
-from engine.trackers import open_trackers, tracker_runs
 
 
 def log(message: str) -> None:
@@ -28,7 +30,7 @@ def log(message: str) -> None:
 
 class Progress:
     """Rank 0's progress for one epoch: a tqdm bar on a terminal, plain lines otherwise,
-    and the step curves in TensorBoard. The loss is read (a host-device sync) only every
+    and the step curves for the parts that record them. The loss is read (a host-device sync) only every
     `train.log_every_steps` steps."""
 
     def __init__(self, run_log: "RunLog", epoch: int, total_steps: int, done_steps: int):
@@ -65,23 +67,21 @@ class Progress:
 
 class RunLog:
     """Rank 0's record of the run: one JSON line per epoch in metrics.jsonl (a resumed run
-    appends), the same figures in every tracker that is on (engine/trackers.py:
-    TensorBoard, W&B, MLflow), and a console line. Use it as a context manager: leaving
-    it closes the trackers, marking their run failed if an error is on its way.
+    appends), the same figures to each part that records them (e.g. TensorBoard, W&B,
+    MLflow: engine/parts/tracking.py), and a console line. Use it as a context manager:
+    leaving it closes the parts' records, marked failed if an error is on its way.
 
     `samples_per_step` is the effective batch (batch_size x processes x accum_steps).
     """
 
-    def __init__(self, cfg, samples_per_step: int, start_step: int, previous_runs: dict):
+    def __init__(self, cfg, samples_per_step: int, start_step: int, parts: list):
         self.every, self.samples_per_step = cfg.train.log_every_steps, samples_per_step
         self.metrics_path = Path(cfg.output_dir) / "metrics.jsonl"
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         rewind_metrics(self.metrics_path, start_step)
-        self.trackers = open_trackers(cfg, start_step, previous_runs)
-        self.tracker_runs = tracker_runs(cfg, self.trackers)  # for the checkpoint
-        runs = [f"{name} run {run_id}" for name, run_id in self.tracker_runs.items() if name != "output_dir"]
-        if runs:
-            log(f"tracking: {', '.join(runs)}")
+        self.parts = parts
+        for part in parts:
+            part.open_log(start_step)
 
     def progress(self, epoch: int, total_steps: int, done_steps: int) -> Progress:
         return Progress(self, epoch, total_steps, done_steps)
@@ -90,36 +90,21 @@ class RunLog:
         log(message)
 
     def add_scalars(self, step: int, scalars: dict) -> None:
-        self.each_tracker(lambda tracker: tracker.add_scalars(step, scalars))
+        for part in self.parts:
+            part.log_scalars(step, scalars)
 
     def write_epoch(self, metrics: dict) -> None:
         append_json_line(self.metrics_path, metrics)
-
-        def send(tracker) -> None:
-            tracker.add_scalars(metrics["step"], epoch_scalars(metrics))
-            tracker.add_table("memory", metrics["step"], metrics["memory"])
-            tracker.flush()
-
-        self.each_tracker(send)
+        for part in self.parts:
+            part.log_epoch(metrics)
         log(format_epoch(metrics))
-
-    def each_tracker(self, call) -> None:
-        """`call(tracker)` for each tracker. One that fails (its server gone, its disk full)
-        is dropped with a warning: metrics.jsonl has everything, and an error on rank 0
-        alone would leave the other ranks waiting."""
-        for tracker in list(self.trackers):
-            try:
-                call(tracker)
-            except Exception as error:
-                self.trackers.remove(tracker)
-                log(f"warning: {tracker.name} failed ({last_line(error)}); the run goes on without it")
 
     def __enter__(self) -> "RunLog":
         return self
 
     def __exit__(self, error_type, error, traceback) -> None:
-        # What is still buffered reaches the disk or the server; an error marks the runs failed.
-        self.each_tracker(lambda tracker: tracker.close(failed=error_type is not None))
+        for part in self.parts:
+            part.close_log(failed=error_type is not None)
 
 
 def rewind_metrics(path: Path, start_step: int) -> None:
@@ -167,32 +152,31 @@ def format_epoch(metrics: dict) -> str:
     )
 
 
-def epoch_scalars(metrics: dict) -> dict:
-    """Tracker tags for one epoch's metrics (as in metrics.jsonl): train_x as
-    train/epoch_x, val_x as val/x, a part's ema_val_x (the EMA's) as val_ema/x. Memory: rank 0's
-    figure and the largest over the ranks (`..._max`)."""
-    scalars = {"throughput/samples_per_s": metrics["samples_per_s"]}
-    for key, value in metrics.items():
-        if key.startswith("train_") and key != "train_time_s":
-            scalars[f"train/epoch_{key.removeprefix('train_')}"] = value
-        elif key.startswith("val_"):
-            scalars[f"val/{key.removeprefix('val_')}"] = value
-        elif "_val_" in key:
-            part, name = key.split("_val_", 1)
-            scalars[f"val_{part}/{name}"] = value
-    per_rank = metrics["memory"]
-    for key in ("rss_peak_mib", "cuda_reserved_peak_mib"):
-        if key in per_rank[0]:
-            scalars[f"memory/{key}"] = per_rank[0][key]
-            scalars[f"memory/{key}_max"] = max(row[key] for row in per_rank)
-    return scalars
-
-
 def say_last(line: str, exit_code: int) -> None:
     """A process's last word: on stderr, and in the error file torchrun gives it, where
     torchrun's failure summary and `python -m engine.launch` find it."""
     print(line, file=sys.stderr, flush=True)
     hand_to_launcher(line, exit_code)
+
+
+ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each process it starts
+
+
+def hand_to_launcher(line: str, exit_code: int) -> None:
+    """Leave this process's last word (one line) and the exit code it is about to exit
+    with in the error file torchrun gave it, if any. The code matters: torchrun sends
+    SIGTERM to the other processes as soon as one exits, which may end this one before
+    its exit. Best effort: the line is on stderr already."""
+    path = os.environ.get(ERROR_FILE_VARIABLE)
+    if path:
+        with contextlib.suppress(OSError):
+            write_last_word(path, line, exit_code)
+
+
+def write_last_word(path: str, line: str, exit_code: int) -> None:
+    # @record's layout: torchrun's summary shows `py_callstack`, here the line itself.
+    extra = {"py_callstack": line, "timestamp": str(int(time.time()))}
+    Path(path).write_text(json.dumps({"message": {"message": line, "errorCode": exit_code, "extraInfo": extra}}))
 
 
 def report_errors(main):

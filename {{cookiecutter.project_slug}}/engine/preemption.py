@@ -136,3 +136,24 @@ class NoteComparison:
         self.next_check = int(notes[1].item())
         self.last_check = (count, now)
         return bool(notes[0].item())
+
+
+def leave_stop_signals_to_the_rank(worker_id: int) -> None:
+    """In each DataLoader worker: ignore the stop signals unless its rank sends them.
+
+    Launchers signal a rank's whole process group (torchrun's SIGTERM, SLURM's SIGUSR1),
+    workers included; a worker killed by one takes its rank down with a traceback before
+    the rank can save its stop checkpoint. But the rank itself ends leftover workers with
+    SIGTERM when it exits, so a SIGTERM from the rank is still obeyed: a thread waits for
+    SIGTERM and reads who sent it."""
+    for sig in STOP_SIGNALS:
+        if sig != signal.SIGTERM:
+            signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started next inherit it
+    threading.Thread(target=exit_on_sigterm_from, args=(os.getppid(),), daemon=True).start()
+
+
+def exit_on_sigterm_from(rank_pid: int) -> None:
+    while signal.sigwaitinfo({signal.SIGTERM}).si_pid != rank_pid:
+        pass  # from the launcher: the rank stops, then ends this worker
+    os._exit(0)

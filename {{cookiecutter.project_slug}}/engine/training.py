@@ -54,7 +54,6 @@ class TrainState:
     batches_done: int = 0  # micro-batches of `epoch` already trained
     step: int = 0  # optimizer steps taken in the whole run
     best_metric_value: float | None = None  # of checkpoint.best_metric, over the epochs so far
-    tracker_runs: dict = field(default_factory=dict)  # rank 0's W&B/MLflow run ids: a resumed run goes on in them
 
     def __post_init__(self):
         parts, self.parts = self.parts, []
@@ -100,7 +99,6 @@ class TrainState:
             "step": self.step,
             "best_metric_value": self.best_metric_value,
             "skipped_steps": self.guard.skipped_steps,
-            "tracker_runs": self.tracker_runs,
             "states": {name: state for name, state in states.items() if state is not None},
             "weight_sets": [part.name for part in self.parts if part.holds_weights],
         }
@@ -117,7 +115,6 @@ class TrainState:
         self.step = state["step"]
         self.best_metric_value = state.get("best_metric_value")  # absent in older checkpoints
         self.guard.skipped_steps = state.get("skipped_steps", 0)
-        self.tracker_runs = state.get("tracker_runs", {})
         saved = state.get("states", {})
         for name, obj in self.states.items():
             found = saved.get(name, state.get(name) if name not in CORE_KEYS else None)  # older: at the top

@@ -45,7 +45,9 @@ FAST = [
     "optim.lr=0.1",
     "data.augment=false",
     "train.log_every_steps=4",
-    "train.tensorboard=false",  # the tests that read the curves turn it on
+{%- if cookiecutter.tracking %}
+    "tracking.tensorboard=false",  # the tests that read the curves turn it on
+{%- endif %}
 ]
 
 

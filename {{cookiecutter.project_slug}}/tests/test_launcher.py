@@ -14,7 +14,8 @@ from torch.distributed.elastic.multiprocessing import ProcessFailure
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from conftest import FAST, children, clean_env, finish, machinery_project, wait_for_line
-from engine.launch import exit_code, failure_line, likely_cause, write_last_word
+from engine.launch import exit_code, failure_line, likely_cause
+from engine.logs import write_last_word
 from engine.run_lock import pid_alive
 
 

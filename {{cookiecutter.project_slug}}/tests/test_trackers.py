@@ -39,7 +39,7 @@ def tracked(tmp_path_factory):
 
 def saved_runs(output_dir) -> dict:
     ckpt = torch.load(output_dir / "checkpoints" / "last.pt", map_location="cpu", weights_only=True)
-    return ckpt["tracker_runs"]
+    return ckpt["states"]["tracking"]["runs"]
 
 
 def test_mlflow_records_config_curves_and_memory_in_one_run_across_a_resume(tracked):

@@ -18,35 +18,10 @@ from conftest import FAST, clean_env, command, machinery_project, read_metrics, 
 from engine.checkpoint import load_checkpoint
 
 FAST_SHORT = [*FAST, "train.epochs=1", "data.train_size=512"]
-STEP_TAGS = {"train/loss", "train/lr", "train/samples_per_s"}  # every train.log_every_steps (4 in FAST)
-EPOCH_TAGS = {"train/epoch_loss", "val/loss", "val/acc", "throughput/samples_per_s"}
-
-
-def read_tensorboard(run_dir) -> dict[str, list]:
-    """Every scalar curve in the run's TensorBoard folder, read with TensorBoard's own
-    reader: {tag: [(step, value), ...]}."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0})  # 0: keep all
-    events.Reload()
-    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
-
-
-def assert_curves_match_metrics(curves: dict, metrics: list[dict]) -> None:
-    """The epoch curves are metrics.jsonl's figures (to float32), at each epoch's last step."""
-    assert set(curves) >= STEP_TAGS | EPOCH_TAGS | {"memory/rss_peak_mib", "memory/rss_peak_mib_max"}
-    for tag, key in [("val/acc", "val_acc"), ("val/loss", "val_loss"), ("train/epoch_loss", "train_loss")]:
-        assert [step for step, _ in curves[tag]] == [m["step"] for m in metrics], tag
-        assert [value for _, value in curves[tag]] == pytest.approx([m[key] for m in metrics], rel=1e-6), tag
-    rank_0 = [m["memory"][0]["rss_peak_mib"] for m in metrics]
-    largest = [max(row["rss_peak_mib"] for row in m["memory"]) for m in metrics]
-    assert [value for _, value in curves["memory/rss_peak_mib"]] == pytest.approx(rank_0)
-    assert [value for _, value in curves["memory/rss_peak_mib_max"]] == pytest.approx(largest)
 
 
 def test_two_process_run_trains_evaluates_checkpoints_and_resumes(tmp_path, fast_args):
     out = tmp_path / "run"
-    fast_args += ["train.tensorboard=true"]
     first = run_script("train.py", [*fast_args, f"output_dir={out}", "train.epochs=2"], nproc=2)
     assert "training on 2 process(es)" in first.stdout
     # Not a terminal: plain progress lines, from rank 0 only.
@@ -57,20 +32,11 @@ def test_two_process_run_trains_evaluates_checkpoints_and_resumes(tmp_path, fast
     assert metrics[-1]["val_acc"] > 0.3  # 10 classes: chance is 0.1
     assert {p.name for p in (out / "checkpoints").iterdir()} >= {"last.pt", "best.pt"}
     assert (out / "config.yaml").is_file()
-    assert len(list((out / "tensorboard").iterdir())) == 1  # one events file: rank 0's
-    curves = read_tensorboard(out)
-    assert_curves_match_metrics(curves, metrics)
-    for tag in STEP_TAGS:
-        assert [step for step, _ in curves[tag]] == list(range(4, 65, 4)), tag
 
     again = run_script("train.py", [*fast_args, f"output_dir={out}", "train.epochs=3"], nproc=2)
     assert f"resumed from {out / 'checkpoints' / 'last.pt'}: epoch 2" in again.stdout
     metrics = read_metrics(out)
     assert [m["epoch"] for m in metrics] == [0, 1, 2]  # appended, not overwritten
-    assert len(list((out / "tensorboard").iterdir())) == 2  # the resumed run's own events file
-    curves = read_tensorboard(out)
-    assert_curves_match_metrics(curves, metrics)  # the curves continue, nothing lost or doubled
-    assert [step for step, _ in curves["train/loss"]] == list(range(4, 97, 4))
     assert load_checkpoint(out / "checkpoints" / "last.pt")["epoch"] == 3
 
     evaluated = run_script("evaluate.py", ["--checkpoint", out / "checkpoints" / "last.pt"], nproc=2)
@@ -127,31 +93,13 @@ def run_with_terminal_stderr(args, timeout=240) -> tuple[str, str]:
     return stdout, terminal_text
 
 
-def test_single_process_run_on_a_terminal_with_tensorboard_off(tmp_path, fast_args):
+def test_single_process_run_on_a_terminal(tmp_path, fast_args):
     out = tmp_path / "run"
-    stdout, terminal = run_with_terminal_stderr(
-        [*fast_args, f"output_dir={out}", "train.epochs=1", "train.tensorboard=false"]
-    )
+    stdout, terminal = run_with_terminal_stderr([*fast_args, f"output_dir={out}", "train.epochs=1"])
     assert [m["num_samples"] for m in read_metrics(out)] == [101]
-    assert not (out / "tensorboard").exists()
     # A progress bar with loss and throughput instead of the plain lines.
     assert "epoch 0: " in terminal and "loss=" in terminal and "samples_s=" in terminal
     assert "epoch 0 step" not in stdout and "epoch 0: train_loss" in stdout
-
-
-def test_without_the_tensorboard_package_training_goes_on_and_says_so_once(tmp_path):
-    # A package of that name first on the path that fails to import, as a missing one does.
-    (tmp_path / "stub" / "tensorboard").mkdir(parents=True)
-    (tmp_path / "stub" / "tensorboard" / "__init__.py").write_text('raise ImportError("tensorboard: test stub")')
-    out = tmp_path / "run"
-    args = [*FAST_SHORT, f"output_dir={out}", "train.tensorboard=true"]
-    result = run_script("train.py", args, nproc=2, env={"PYTHONPATH": str(tmp_path / "stub")})
-    said = [line for line in (result.stdout + result.stderr).splitlines() if "tensorboard" in line.lower()]
-    assert len(said) == 1, said
-    assert said[0].startswith("warning: train.tensorboard is on but tensorboard cannot be imported (tensorboard: test")
-    assert 'pip install -e ".[tensorboard]"' in said[0] and "train.tensorboard=false" in said[0]
-    assert [m["epoch"] for m in read_metrics(out)] == [0]
-    assert not (out / "tensorboard").exists()
 
 
 def test_bad_config_is_one_line_and_exit_code_2(tmp_path):

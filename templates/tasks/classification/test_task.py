@@ -27,7 +27,9 @@ SMALL_TASK = [
     "train.batch_size=16",
     "train.epochs=2",
     "train.num_workers=0",
-    "train.tensorboard=false",
+{%- if cookiecutter.tracking %}
+    "tracking.tensorboard=false",
+{%- endif %}
 ]
 
 
@@ -47,7 +49,9 @@ SMALL_DEFAULT_RUN = [
     "train.batch_size=32",
     "train.epochs=4",
     "train.num_workers=0",
-    "train.tensorboard=false",
+{%- if cookiecutter.tracking %}
+    "tracking.tensorboard=false",
+{%- endif %}
 ]
 
 

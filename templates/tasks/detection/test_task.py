@@ -28,7 +28,9 @@ SMALL_TASK = [
     "train.batch_size=4",
     "train.epochs=2",
     "train.num_workers=0",
-    "train.tensorboard=false",
+{%- if cookiecutter.tracking %}
+    "tracking.tensorboard=false",
+{%- endif %}
 ]
 
 
@@ -44,7 +46,9 @@ SMALL_DEFAULT_RUN = [
     "data.val_size=64",
     "train.epochs=4",
     "train.num_workers=0",
-    "train.tensorboard=false",
+{%- if cookiecutter.tracking %}
+    "tracking.tensorboard=false",
+{%- endif %}
 ]
 
 

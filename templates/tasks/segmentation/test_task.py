@@ -24,7 +24,9 @@ SMALL_TASK = [
     "train.batch_size=8",
     "train.epochs=2",
     "train.num_workers=0",
-    "train.tensorboard=false",
+{%- if cookiecutter.tracking %}
+    "tracking.tensorboard=false",
+{%- endif %}
 ]
 
 
@@ -40,7 +42,9 @@ SMALL_DEFAULT_RUN = [
     "data.val_size=64",
     "train.epochs=3",
     "train.num_workers=0",
-    "train.tensorboard=false",
+{%- if cookiecutter.tracking %}
+    "tracking.tensorboard=false",
+{%- endif %}
 ]
 
 

@@ -1,8 +1,8 @@
 """Optional features of a run, each a `Part` in a module of this package.
 
-A part module defines `Section`, the dataclass of its config section (named like the
-module: `ema:` in config.yaml for ema.py), and `build(cfg, env)`, which returns the part,
-or None when its settings leave it off. The run finds the modules present; a project
+A part module defines `build(cfg, env)`, which returns the part, or None when its settings
+leave it off, and, if the part has settings, `Section`, the dataclass of its config section
+(named like the module: `ema:` in config.yaml for ema.py). The run finds the modules present; a project
 generated without a feature has no module for it, and so no section, key or hook.
 
 The core calls a part only through the hooks of `Part` below, each a no-op by default.
@@ -51,6 +51,23 @@ class Part:
         """Why the run ends before its last epoch, if it does."""
         return None
 
+    def epoch_figures(self, state) -> dict:
+        """More figures for the epoch's row of metrics.jsonl (every rank calls this)."""
+        return {}
+
+    # Records of the run, on rank 0 only
+    def open_log(self, start_step: int) -> None:
+        """When rank 0 starts its log (an error here stops every rank)."""
+
+    def log_scalars(self, step: int, scalars: dict) -> None:
+        """Every train.log_every_steps steps: train/loss, train/lr, train/samples_per_s."""
+
+    def log_epoch(self, row: dict) -> None:
+        """Each epoch's row, as metrics.jsonl has it."""
+
+    def close_log(self, failed: bool) -> None:
+        """At the end of the run, or on its way out with an error (`failed`)."""
+
     # Checkpoints: small state, the same on every rank
     def state_dict(self) -> dict | None:
         return None
@@ -85,7 +102,7 @@ def modules() -> list[ModuleType]:
 
 def sections() -> dict[str, type]:
     """Each part's config section class, by section name."""
-    return {module.__name__.rsplit(".", 1)[-1]: module.Section for module in modules()}
+    return {module.__name__.rsplit(".", 1)[-1]: module.Section for module in modules() if hasattr(module, "Section")}
 
 
 def build_parts(cfg, env) -> list[Part]:

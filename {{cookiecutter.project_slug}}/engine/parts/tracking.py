@@ -1,29 +1,120 @@
-"""Where rank 0's RunLog sends the run's figures besides metrics.jsonl: TensorBoard
-(train.tensorboard), Weights & Biases (tracking.wandb) and MLflow (tracking.mlflow), in
+"""Where rank 0 sends the run's figures besides metrics.jsonl: TensorBoard
+(tracking.tensorboard), Weights & Biases (tracking.wandb) and MLflow (tracking.mlflow), in
 any combination. Each gets the same step and epoch curves under the same names; W&B and
 MLflow also get the resolved config as hyperparameters and each epoch's memory table.
 
-A tracker run's id is kept in the checkpoint (TrainState.tracker_runs), so a resumed or
+A tracker run's id is kept in the checkpoint (this part's state), so a resumed or
 requeued run goes on in the same tracker run; a fresh output_dir starts a new one. The
 x-axis is the run's optimizer step: after a restart from an older checkpoint, the steps
-trained again are logged again.
+trained again are logged again. A tracker that fails mid-run (its server gone, its disk
+full) is dropped with a warning: metrics.jsonl has everything, and an error on rank 0
+alone would leave the other ranks waiting.
 """
 
 import importlib
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import UsageError
+from engine.errors import ConfigError, UsageError
+from engine.logs import last_line, log
+from engine.parts import Part
+
+
+@dataclass
+class Section:
+    tensorboard: bool = True  # curves in output_dir/tensorboard (rank 0; needs the tensorboard package)
+    wandb: bool = False  # Weights & Biases run (rank 0; pip install -e ".[wandb]"; WANDB_MODE=offline: no network)
+    mlflow: bool = False  # MLflow run at MLFLOW_TRACKING_URI, else ./mlflow.db (pip install -e ".[mlflow]")
+    project: str = "{{ cookiecutter.project_slug }}"  # the W&B project and the MLflow experiment
+    run_name: str = ""  # the tracker run's name; "" = output_dir's folder name
+
+    def __post_init__(self):
+        if not self.project:
+            raise ConfigError("tracking.project must not be empty")
+
+
+def build(cfg, env) -> "Tracking | None":
+    on = cfg.tracking.tensorboard or cfg.tracking.wandb or cfg.tracking.mlflow
+    return Tracking(cfg) if on else None
+
+
+class Tracking(Part):
+    name = "tracking"
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        self.runs: dict = {}  # rank 0's run ids: a resumed run goes on in them
+        self.trackers: list = []
+
+    def state_dict(self) -> dict:
+        return {"runs": self.runs}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.runs = state["runs"]
+
+    def open_log(self, start_step: int) -> None:
+        self.trackers = open_trackers(self.cfg, start_step, self.runs)
+        self.runs = tracker_runs(self.cfg, self.trackers)
+        runs = [f"{name} run {run_id}" for name, run_id in self.runs.items() if name != "output_dir"]
+        if runs:
+            log(f"tracking: {', '.join(runs)}")
+
+    def log_scalars(self, step: int, scalars: dict) -> None:
+        self.each_tracker(lambda tracker: tracker.add_scalars(step, scalars))
+
+    def log_epoch(self, row: dict) -> None:
+        def send(tracker) -> None:
+            tracker.add_scalars(row["step"], epoch_scalars(row))
+            if "memory" in row:
+                tracker.add_table("memory", row["step"], row["memory"])
+            tracker.flush()
+
+        self.each_tracker(send)
+
+    def close_log(self, failed: bool) -> None:
+        # What is still buffered reaches the disk or the server; an error marks the runs failed.
+        self.each_tracker(lambda tracker: tracker.close(failed=failed))
+
+    def each_tracker(self, call) -> None:
+        """`call(tracker)` for each tracker; one that fails is dropped with a warning."""
+        for tracker in list(self.trackers):
+            try:
+                call(tracker)
+            except Exception as error:
+                self.trackers.remove(tracker)
+                log(f"warning: {tracker.name} failed ({last_line(error)}); the run goes on without it")
+
+
+def epoch_scalars(row: dict) -> dict:
+    """Tracker tags for one epoch's row (as in metrics.jsonl): train_x as train/epoch_x,
+    val_x as val/x, a part's ema_val_x (the EMA's) as val_ema/x. Memory: rank 0's figure
+    and the largest over the ranks (`..._max`)."""
+    scalars = {"throughput/samples_per_s": row["samples_per_s"]}
+    for key, value in row.items():
+        if key.startswith("train_") and key != "train_time_s":
+            scalars[f"train/epoch_{key.removeprefix('train_')}"] = value
+        elif key.startswith("val_"):
+            scalars[f"val/{key.removeprefix('val_')}"] = value
+        elif "_val_" in key:
+            part, name = key.split("_val_", 1)
+            scalars[f"val_{part}/{name}"] = value
+    per_rank = row.get("memory") or [{}]
+    for key in ("rss_peak_mib", "cuda_reserved_peak_mib"):
+        if key in per_rank[0]:
+            scalars[f"memory/{key}"] = per_rank[0][key]
+            scalars[f"memory/{key}_max"] = max(r[key] for r in per_rank)
+    return scalars
 
 
 def open_trackers(cfg, start_step: int, previous_runs: dict) -> list:
-    """The trackers the config turns on. `previous_runs`: the run ids a checkpoint kept
-    (TrainState.tracker_runs); used only if that checkpoint belongs to this output_dir."""
+    """The trackers the config turns on. `previous_runs`: the run ids a checkpoint kept;
+    used only if that checkpoint belongs to this output_dir."""
     if previous_runs.get("output_dir") != this_output_dir(cfg):
         previous_runs = {}
     trackers = []
     try:
-        if cfg.train.tensorboard:
+        if cfg.tracking.tensorboard:
             trackers += TensorBoardTracker.open(cfg, start_step)  # none, with a warning, without the package
         for kind, switch in ((WandbTracker, cfg.tracking.wandb), (MlflowTracker, cfg.tracking.mlflow)):
             if switch:
@@ -99,8 +190,8 @@ class TensorBoardTracker:
             from torch.utils.tensorboard import SummaryWriter  # here: optional, and slow to import
         except ImportError as error:
             print(
-                f"warning: train.tensorboard is on but tensorboard cannot be imported ({error}); no TensorBoard "
-                'curves. Install it with pip install -e ".[tensorboard]" or set train.tensorboard=false',
+                f"warning: tracking.tensorboard is on but tensorboard cannot be imported ({error}); no TensorBoard "
+                'curves. Install it with pip install -e ".[tensorboard]" or set tracking.tensorboard=false',
                 flush=True,
             )
             return []

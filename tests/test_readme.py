@@ -1,0 +1,89 @@
+"""The baked README: the first screen and a table of docs pages, one page per topic, every
+link leading to a page; without a part, no line about it outside its own page."""
+
+import re
+
+import pytest
+from conftest import CHOICES, bake
+
+MAX_README_LINES = 250
+
+# Each optional part's answer, its docs page, and how a line that speaks of it reads.
+PARTS = {
+    "ema": ("ema.md", r"\bEMA\b|\bema[.:]|ema\.md"),
+    "early_stopping": ("early-stopping.md", r"early.stop"),
+    "freezing": ("freezing.md", r"\bfreez"),
+    "profiler": ("profiler.md", r"\bprofil"),
+    "tracking": ("tracking.md", r"tensorboard|wandb|weights & biases|mlflow|\btracking[.:]"),
+    "memory_report": ("memory.md", r"memory (table|report)|nvidia-ml-py|\bNVML\b|\.\[gpu\]|(?<![\w-])memory\.md"),
+}
+ALL_PARTS_OFF = {answer: "no" for answer in PARTS}
+# Each task with every part and with none; and the default task without one part at a time,
+# where the other parts' pages may speak of it.
+VARIANTS = [(task, answers) for task in CHOICES["task"] for answers in ({}, ALL_PARTS_OFF)] + [
+    (CHOICES["task"][0], {answer: "no"}) for answer in PARTS
+]
+
+LINK = re.compile(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)")
+
+
+def variant_id(variant) -> str:
+    task, answers = variant
+    if not answers:
+        return f"{task}-default"
+    return f"{task}-no-parts" if answers == ALL_PARTS_OFF else f"{task}-no-{next(iter(answers))}"
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=variant_id)
+def project(request, tmp_path_factory):
+    task, answers = request.param
+    return bake(tmp_path_factory.mktemp("readme"), task=task, **answers), answers
+
+
+def expected_pages(project, answers):
+    """The docs pages of the bake but those of the parts answered no (the post-generation
+    hook deletes them)."""
+    off = {PARTS[answer][0] for answer in answers}
+    return {page for page in (project / "docs").glob("*.md") if page.name not in off}
+
+
+def links(page):
+    return [(page.parent / target).resolve() for target in LINK.findall(page.read_text())]
+
+
+def test_readme_fits_in_its_line_budget(project):
+    project, _ = project
+    lines = (project / "README.md").read_text().splitlines()
+    assert len(lines) <= MAX_README_LINES, f"README.md has {len(lines)} lines"
+
+
+def test_the_first_screen_says_how_to_install_train_resume_and_evaluate(project):
+    project, _ = project
+    first_screen = "\n".join((project / "README.md").read_text().splitlines()[:40])
+    for command in ('pip install -e ".[dev]"', "python train.py", "torchrun", "evaluate.py", "## Where to change what"):
+        assert command in first_screen, command
+    assert re.search(r"\b(sbatch|srun)\b", first_screen) and "resume" in first_screen.lower()
+
+
+def test_every_link_to_a_docs_page_leads_to_one(project):
+    project, answers = project
+    for page in [project / "README.md", *expected_pages(project, answers)]:
+        for target in links(page):
+            assert target.is_file(), f"{page.name} links to {target.name}, which does not exist"
+
+
+def test_every_docs_page_is_linked_from_the_readme(project):
+    project, answers = project
+    linked = set(links(project / "README.md"))
+    pages = expected_pages(project, answers)
+    assert pages, "no docs pages"
+    assert {page.name for page in pages if page.resolve() not in linked} == set()
+
+
+def test_without_its_part_no_page_speaks_of_it(project):
+    project, answers = project
+    for answer in answers:
+        mention = re.compile(PARTS[answer][1], re.IGNORECASE)
+        for page in [project / "README.md", *expected_pages(project, answers)]:
+            lines = [line for line in page.read_text().splitlines() if mention.search(line)]
+            assert lines == [], f"{page.name} speaks of {answer}: {lines}"

@@ -304,7 +304,7 @@ def compare_memory(project: Path, work: Path) -> None:
     script = str(Path(__file__).with_name("memory_phases.py"))
     for nproc, strategy in MEMORY_LAYOUTS:
         out = work / f"memory-{strategy}-{nproc}"
-        args = [*MEMORY_WORKLOAD, f"train.strategy={strategy}", f"output_dir={out}"]
+        args = [*MEMORY_WORKLOAD, f"fsdp.enabled={strategy == 'fsdp'}", f"output_dir={out}"]
         run([*launcher(nproc), script, str(out / "phases.json"), *args], project)
         rows = [json.loads((out / f"phases.json.{rank}").read_text()) for rank in range(nproc)]
 

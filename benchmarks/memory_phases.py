@@ -30,7 +30,7 @@ from engine.checkpoint import Checkpointer  # noqa: E402
 from engine.distributed import cleanup_distributed, init_distributed_mode  # noqa: E402
 from engine.host import set_host_allocator  # noqa: E402
 from engine.logs import QuietLog  # noqa: E402
-from engine.parallel import is_sharded  # noqa: E402
+from engine.parts import build_parts  # noqa: E402
 from engine.parts.memory import train_state_mib  # noqa: E402
 from engine.preemption import StopRequest  # noqa: E402
 from engine.sharded import sharded_state_dict  # noqa: E402
@@ -77,10 +77,12 @@ def main(out: str, overrides: list[str]) -> None:
     row = {"rank": env.rank, "runtime_mib": status_mib("VmRSS")}  # torch and the process group
     train.build_model, train.BLOCKS = build_deep_mlp, (model.MLPBlock,)  # what load_train_objs builds
     checkpointer = Checkpointer(cfg, env, device)
-    train_loader, _, state = train.load_train_objs(cfg, env, device, checkpointer)
+    parts = build_parts(cfg, env)
+    sharded = any(part.shards_model for part in parts)
+    train_loader, _, state = train.load_train_objs(cfg, env, device, checkpointer, parts)
     row["setup_peak_mib"] = status_mib("VmHWM")
     stop = StopRequest(cfg.dist.timeout_minutes, cfg.train.stop_at_step).install(env.launcher)
-    set_host_allocator(sharded=is_sharded(cfg, env))  # as train.py, after setup
+    set_host_allocator(sharded=sharded)  # as train.py, after setup
     reset_peak()
     train.train_one_epoch(state, train_loader, cfg, stop, checkpointer, QuietLog())
     row["step_peak_mib"] = status_mib("VmHWM")
@@ -90,7 +92,7 @@ def main(out: str, overrides: list[str]) -> None:
     checkpointer.save(state)
     row["save_s"] = time.perf_counter() - started
     row["save_peak_mib"] = status_mib("VmHWM")
-    if is_sharded(cfg, env):  # its own gloo group: the writes' collectives run beside training's
+    if sharded:  # its own gloo group: the writes' collectives run beside training's
         row |= async_save_s(state, Path(cfg.output_dir) / "async", dist.new_group(backend="gloo"))
     Path(f"{out}.{env.rank}").write_text(json.dumps(row))
     cleanup_distributed()

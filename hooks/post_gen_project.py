@@ -16,6 +16,7 @@ PARTS = {
     "profiler": "{{ cookiecutter.profiler }}" == "True",
     "tracking": "{{ cookiecutter.tracking }}" == "True",
     "memory_report": "{{ cookiecutter.memory_report }}" == "True",
+    "launcher": "{{ cookiecutter.launcher }}" == "True",
 }
 PART_FILES = {
     "ema": ["engine/parts/ema.py", "tests/test_ema.py", "docs/ema.md"],
@@ -24,6 +25,7 @@ PART_FILES = {
     "profiler": ["engine/parts/profiler.py", "tests/test_profiling.py", "docs/profiler.md"],
     "tracking": ["engine/parts/tracking.py", "tests/test_trackers.py", "tests/test_tensorboard.py", "docs/tracking.md"],
     "memory_report": ["engine/parts/memory.py", "tests/test_memory_report.py", "docs/memory.md"],
+    "launcher": ["engine/launch.py", "tests/test_launcher.py"],  # a tool, not a Part
 }
 
 

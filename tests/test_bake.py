@@ -9,7 +9,7 @@ import sys
 import tomllib
 
 import pytest
-from conftest import CHOICES, TEMPLATE, WITHOUT_PARTS, bake
+from conftest import CHOICES, PART_ANSWERS, TEMPLATE, WITHOUT_PARTS, bake
 from cookiecutter.exceptions import FailedHookException
 
 # The top of a baked project: what the user edits, and one package of machinery.
@@ -204,7 +204,18 @@ PART_WORDS = {
     "profiler": [r"\bprofiler\b", r"\bProfiler\b"],
     "tracking": [r"\btracking\b", r"TensorBoard", r"tensorboard", r"W&B", r"wandb", r"MLflow", r"mlflow"],
     "memory_report": [r"memory report", r"memory table", r"nvidia-ml-py", r"NVML"],
+    "launcher": [r"engine\.launch"],
 }
+
+
+def test_every_part_is_on_by_default_so_the_default_bake_has_every_part():
+    """The template's tests bake the default (every part), and every part answered no."""
+    assert set(PART_ANSWERS) == {key for key in CHOICES if CHOICES[key] is True} - {
+        "ci_workflow",
+        "slurm_script",
+        "tensorboard",
+    }
+    assert all(CHOICES[answer] is True for answer in PART_ANSWERS)
 
 
 def print_config_keys(project) -> set[str]:
@@ -227,7 +238,7 @@ def test_a_part_answered_no_leaves_no_file_config_key_or_line_of_text(tmp_path):
     full_files, bare_files = ({str(p.relative_to(root)) for p in rendered_files(root)} for root in (full, bare))
     gone = full_files - bare_files
     assert bare_files <= full_files and gone, gone
-    assert all(name.startswith(("engine/parts/", "tests/test_", "docs/")) for name in gone), gone
+    assert all(name.startswith(("engine/parts/", "engine/launch.py", "tests/test_", "docs/")) for name in gone), gone
     assert sorted(p.name for p in (bare / "engine" / "parts").iterdir()) == ["__init__.py"]
 
     full_keys, bare_keys = print_config_keys(full), print_config_keys(bare)

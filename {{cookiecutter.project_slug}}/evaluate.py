@@ -29,7 +29,8 @@ from engine.host import set_host_allocator
 from engine.loader import build_val_loader
 from engine.logs import report_errors
 from engine.metrics import evaluate
-from engine.parallel import build_for_evaluation, is_sharded
+from engine.parallel import build_for_evaluation
+from engine.parts import build_parts
 from engine.preemption import leave_stop_signals_to_the_rank
 from model import BLOCKS, ModelConfig, build_metrics, build_model, validation_step
 from recipe import OptimConfig
@@ -54,13 +55,14 @@ def main(argv=None) -> None:
     sections = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig}
     cfg = load_config(args.config, args.overrides, base=ckpt.get("config"), **sections)
     env, device = init_distributed_mode(cfg.dist)
-    set_host_allocator(sharded=is_sharded(cfg, env))  # as train.py does, before the model is built
+    parts = build_parts(cfg, env)  # e.g. FSDP, which builds the model sharded
+    set_host_allocator(sharded=any(part.shards_model for part in parts))  # as train.py does, before the model is built
     try:
         prepare_on_node_leaders(prepare_data, cfg, env, device)  # one writer per node at a time
         with stop_all_if_any_fails(device):
             _, val_set = build_datasets(cfg)
         # Under FSDP sharded as in training (no full copy on any device), else a replica.
-        model = build_for_evaluation(lambda: build_model(cfg), cfg, env, device, BLOCKS)
+        model = build_for_evaluation(lambda: build_model(cfg), cfg, env, device, BLOCKS, parts)
         load_weights(model, Path(args.checkpoint), ckpt, part=args.weights)
         # Its workers end with the `with`, before the process group does.
         hooks = {"collate_fn": getattr(data, "collate_fn", None), "worker_init_fn": leave_stop_signals_to_the_rank}

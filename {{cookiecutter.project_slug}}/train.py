@@ -36,7 +36,7 @@ from engine.host import freeze_setup_objects, set_host_allocator
 from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
 from engine.logs import QuietLog, RunLog, log, report_errors
 from engine.metrics import evaluate
-from engine.parallel import build_and_wrap, is_sharded, memory_format, wrap_again
+from engine.parallel import build_and_wrap, memory_format, wrap_again
 from engine.parts import build_parts
 from engine.precision import build_grad_scaler, check_precision
 from engine.preemption import StopRequest, leave_stop_signals_to_the_rank
@@ -64,9 +64,10 @@ def main(argv=None) -> None:
         print(format_config(cfg), end="")
         return
     env, device = init_distributed_mode(cfg.dist, Path(cfg.output_dir) / "flight_recorder")
+    parts = build_parts(cfg, env)  # the optional features the config turns on (engine/parts)
     # What each step frees: kept, or given back (FSDP). Set before the model is built: glibc's
     # defaults would keep in the heap what FSDP's setup frees, a full tensor at a time.
-    set_host_allocator(sharded=is_sharded(cfg, env))
+    set_host_allocator(sharded=any(part.shards_model for part in parts))
     lock, loaders = None, ()
     try:
         with stop_all_if_any_fails(device):
@@ -76,7 +77,7 @@ def main(argv=None) -> None:
         check_precision(cfg, device)
         set_determinism(cfg.train.deterministic, device)
         checkpointer = Checkpointer(cfg, env, device)
-        train_loader, val_loader, state = load_train_objs(cfg, env, device, checkpointer)
+        train_loader, val_loader, state = load_train_objs(cfg, env, device, checkpointer, parts)
         loaders = (train_loader, val_loader)
         rng_restored = checkpointer.resume(state)
         if cfg.train.sanity_check:
@@ -119,9 +120,9 @@ def main(argv=None) -> None:
             cleanup_distributed()
 
 
-def load_train_objs(cfg, env, device, checkpointer: Checkpointer):
-    """The run's data loaders and its TrainState (model, optimizer, schedule). The task
-    itself is in data.py and model.py. Every rank must call this."""
+def load_train_objs(cfg, env, device, checkpointer: Checkpointer, parts: list):
+    """The run's data loaders and its TrainState (model, optimizer, schedule, the parts).
+    The task itself is in data.py and model.py. Every rank must call this."""
     prepare_on_node_leaders(prepare_data, cfg, env, device)  # downloads: one process per node at a time
     with stop_all_if_any_fails(device):
         train_set, val_set = build_datasets(cfg)  # every process reads at once
@@ -132,7 +133,6 @@ def load_train_objs(cfg, env, device, checkpointer: Checkpointer):
     steps = steps_per_epoch(train_loader, cfg)
 
     seed_everything(cfg.seed)  # the same initial weights on every rank
-    parts = build_parts(cfg, env)  # the optional features the config turns on (engine/parts)
 
     def build() -> nn.Module:
         model = build_model(cfg)
@@ -140,8 +140,8 @@ def load_train_objs(cfg, env, device, checkpointer: Checkpointer):
             model = part.prepare_model(model)  # e.g. freeze.params' parameters frozen
         return model
 
-    # SyncBatchNorm, device, DDP or FSDP (no full copy on any device).
-    model, train_model = build_and_wrap(build, cfg, env, device, BLOCKS)
+    # SyncBatchNorm, device, DDP; or FSDP's sharding (no full copy on any device).
+    model, train_model = build_and_wrap(build, cfg, env, device, BLOCKS, parts)
     joins_later = {name: step for part in parts for name, step in part.joins_later(model, steps).items()}
     optimizer = recipe.build_optimizer(model, cfg, env.world_size, joins_later)
     scheduler = recipe.build_scheduler(optimizer, cfg, steps)
@@ -174,7 +174,7 @@ def start_run_log(cfg, env, state: TrainState, train_loader, val_loader) -> RunL
         if is_main():
             save_config(cfg, Path(cfg.output_dir) / "config.yaml")
             log(
-                f"training on {env.world_size} process(es), {state.device.type}, {cfg.train.strategy}; "
+                f"training on {env.world_size} process(es), {state.device.type}, {state.wrapping}; "
                 f"{len(train_loader.dataset)} train / {len(val_loader.dataset)} val samples; effective batch "
                 f"{per_step}; {state.steps_per_epoch} steps/epoch"
             )
@@ -200,7 +200,7 @@ def evaluate_weights(state: TrainState, val_loader, cfg, max_batches=None, stop:
 
 
 def evaluate_model(state: TrainState, val_loader, cfg, max_batches, stop: StopRequest | None):
-    if cfg.train.strategy == "ddp":
+    if state.wrapping == "ddp":
         broadcast_buffers(state.model)  # evaluate and save rank 0's BatchNorm statistics
     metrics = build_metrics(cfg)
     during = stop.during_evaluation() if stop is not None else None

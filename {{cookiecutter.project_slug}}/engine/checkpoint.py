@@ -2,7 +2,7 @@
 
 Layout under <output_dir>/checkpoints/:
   step-00001234.pt   one file per save (DDP, one process), written by rank 0
-  step-00001234.dcp/ one folder per save under train.strategy=fsdp: each rank writes its
+  step-00001234.dcp/ one folder per save under FSDP (fsdp.enabled): each rank writes its
                      own shards of model and optimizer (engine/sharded.py), rank 0 adds
                      .metadata and run_state.pt (schedule, counters, config, every rank's
                      RNG state); no rank ever holds the full state
@@ -522,7 +522,7 @@ class Checkpointer:
         }
         keep_last = self.cfg.checkpoint.keep_last
         try:
-            if self.cfg.train.strategy == "fsdp":  # folders on any number of processes: one kind per run
+            if any(part.saves_sharded for part in state.parts):  # folders on any number of processes: one kind per run
                 self.save_folder(state, {**state.run_state_dict(), **run}, is_best)
                 return
             payload = {**state.state_dict(), **run}

@@ -46,8 +46,6 @@ class TrainConfig:
     grad_clip: float = 5.0  # max gradient norm: a guard against rare spikes, not a limit on normal steps; 0 = off
     max_bad_steps: int = 0  # steps with non-finite gradients to skip before stopping (>0: a host sync per step)
     precision: str = "fp32"  # fp32 | bf16 | fp16 (fp16 needs CUDA; uses a GradScaler)
-    strategy: str = "ddp"  # ddp (replica per process) | fsdp (sharded: for big models)
-    fsdp_cpu_offload: bool = False  # fsdp only: keep sharded parameters in CPU memory
     activation_checkpointing: bool = False  # recompute model.BLOCKS' activations in backward: less memory
     compile: bool = False  # torch.compile the model (slow first steps, faster later)
     channels_last: bool = False  # NHWC layout for 4-D batch tensors: faster convolutions on recent GPUs
@@ -64,7 +62,6 @@ class TrainConfig:
         for key in ("grad_clip", "max_bad_steps", "stop_at_step", "num_workers"):
             check_positive(f"train.{key}", getattr(self, key), allow_zero=True)
         check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
-        check_choice("train.strategy", self.strategy, ("ddp", "fsdp"))
 
 
 def effective_batch(train: TrainConfig, world_size: int) -> int:

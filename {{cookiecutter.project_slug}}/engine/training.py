@@ -18,7 +18,6 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -121,6 +120,11 @@ class TrainState:
             if isinstance(found, dict):  # else new since the checkpoint: it starts afresh
                 obj.load_state_dict(found)
 
+    @property
+    def wrapping(self) -> str:
+        """ddp, or the part that builds and wraps the model (fsdp)."""
+        return next((part.name for part in self.parts if part.saves_sharded), "ddp")
+
     def stop_reason(self) -> str | None:
         """Why the run ends before its last epoch (a part's, e.g. early stopping), if it does."""
         return next((reason for part in self.parts if (reason := part.stop_reason(self))), None)
@@ -219,13 +223,13 @@ def gradient_sync(model: nn.Module, enabled: bool):
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     if isinstance(model, DDP):
         return model.no_sync()
-    if isinstance(model, FSDPModule):
-        return fsdp_no_sync(model)
+    if hasattr(model, "set_requires_gradient_sync"):  # FSDP's
+        return no_gradient_sync(model)
     return contextlib.nullcontext()
 
 
 @contextlib.contextmanager
-def fsdp_no_sync(model: FSDPModule):
+def no_gradient_sync(model: nn.Module):
     model.set_requires_gradient_sync(False)
     try:
         yield

@@ -23,7 +23,8 @@ from data import DataConfig
 from engine.config import load_config
 from engine.distributed import cleanup_distributed, init_distributed_mode
 from engine.host import set_host_allocator
-from engine.parallel import build_and_wrap, is_sharded
+from engine.parallel import build_and_wrap
+from engine.parts import build_parts
 from engine.seeding import seed_everything
 from engine.sharded import save_sharded, sharded_state_dict
 from model import BLOCKS, MLPBlock, ModelConfig, build_model
@@ -69,14 +70,15 @@ def main(out: Path, overrides: list[str], deep_mlp: bool) -> None:
     env, device = init_distributed_mode(cfg.dist)
     peaks = PhasePeaks()  # from here: above the runtime (torch, the process group)
     seed_everything(cfg.seed)
-    model, train_model = build_and_wrap(lambda: build(cfg), cfg, env, device, blocks)
+    parts = build_parts(cfg, env)
+    model, train_model = build_and_wrap(lambda: build(cfg), cfg, env, device, blocks, parts)
     held = {"params": local_bytes(model.parameters()), "setup_peak_mib": peaks.end()}
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     if env.rank == 0:  # now: on one process the weights are the parameters, which the step changes
         torch.save(weights, out / "weights.pt")
     torch.save(dict(model.named_buffers()), out / f"buffers_{env.rank}.pt")
     del weights
-    set_host_allocator(sharded=is_sharded(cfg, env))  # as train.py does
+    set_host_allocator(sharded=any(part.shards_model for part in parts))  # as train.py does
     peaks.end()  # the weights gathered for the test
     optimizer = build_optimizer(model, cfg, env.world_size, {})
     for _ in range(2):

@@ -27,6 +27,7 @@ from engine.checkpoint import (
 from engine.config import Config
 from engine.distributed import DistEnv
 from engine.divergence import NonFiniteGuard
+from engine.parts import fsdp
 from engine.precision import build_grad_scaler
 from engine.seeding import capture_rng_state
 from engine.sharded import load_full, load_sharded, save_sharded, sharded_state_dict
@@ -201,7 +202,8 @@ def test_a_folder_saved_again_at_its_step_never_replaces_the_published_one(tmp_p
     next free name, so best.pt keeps the weights that were best; a last.pt whose folder is
     gone is said and the next checkpoint taken, not silently skipped."""
     state, _ = make_state()
-    cfg = reference_config(None, ["train.strategy=fsdp", "checkpoint.best_metric=val_loss", f"output_dir={tmp_path}"])
+    cfg = reference_config(None, ["fsdp.enabled=true", "checkpoint.best_metric=val_loss", f"output_dir={tmp_path}"])
+    state.register("fsdp", fsdp.build(cfg, DistEnv()))  # its checkpoints are folders
     checkpointer, directory = Checkpointer(cfg, DistEnv(), torch.device("cpu")), tmp_path / "checkpoints"
     state.step = 40
     checkpointer.save(state, {"val_loss": 1.0})  # best
@@ -494,7 +496,8 @@ def test_metadata_of_a_newer_torch_is_named_so(tmp_path, monkeypatch):
 def two_sharded_saves(tmp_path):
     """A sharded run's folder (1 process) at steps 2 and 4; last.pt links to step 4's."""
     state, _ = make_state()
-    cfg = run_dir_config(tmp_path, "train.strategy=fsdp")
+    cfg = run_dir_config(tmp_path, "fsdp.enabled=true")
+    state.register("fsdp", fsdp.build(cfg, DistEnv()))  # its checkpoints are folders
     checkpointer = Checkpointer(cfg, DistEnv(), torch.device("cpu"))
     for step in (2, 4):
         state.step = step
@@ -529,7 +532,7 @@ def test_a_torn_shard_on_2_processes_is_one_line_or_the_older_folder(tmp_path):
     """FSDP on 2 processes: an explicit path fails in one line (evaluate.py aborted in
     gloo before), resume=auto continues from the intact older folder."""
     out = tmp_path / "run"
-    args = [*FAST, "data.train_size=256", "train.strategy=fsdp", "checkpoint.every_steps=2", f"output_dir={out}"]
+    args = [*FAST, "data.train_size=256", "fsdp.enabled=true", "checkpoint.every_steps=2", f"output_dir={out}"]
     run_script("train.py", [*args, "train.stop_at_step=4"], nproc=2)
     directory = out / "checkpoints"
     torn = directory / os.readlink(directory / "last.pt")

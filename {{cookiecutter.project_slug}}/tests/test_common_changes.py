@@ -120,7 +120,7 @@ def run_whole_and_resumed(project, tmp_path, args):
 def test_a_change_in_one_user_file_trains_and_resumes_bitwise(tmp_path, change, strategy):
     name, edit = EDITS[change]
     project = project_with(tmp_path, name, edit)
-    (a, b), whole, split = run_whole_and_resumed(project, tmp_path, [*ARGS, f"train.strategy={strategy}"])
+    (a, b), whole, split = run_whole_and_resumed(project, tmp_path, [*ARGS, f"fsdp.enabled={strategy == 'fsdp'}"])
     assert a["step"] == b["step"] == 2 * STEPS_PER_EPOCH
     for part in ("model", "optimizer"):
         for key, value in tensors(a[part]).items():

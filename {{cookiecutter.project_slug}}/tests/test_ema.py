@@ -50,7 +50,7 @@ def test_the_average_follows_the_weights_until_the_start_step_then_decays():
 @pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
 def test_a_resumed_run_ends_with_the_same_average_and_reports_and_evaluates_it(tmp_path, strategy):
     whole, split = tmp_path / "whole", tmp_path / "split"
-    args = [*ARGS, f"train.strategy={strategy}"]
+    args = [*ARGS, f"fsdp.enabled={strategy == 'fsdp'}"]
     run_script("train.py", [*args, f"output_dir={whole}"], nproc=2)
     run_script("train.py", [*args, f"output_dir={split}", f"train.stop_at_step={STEPS_PER_EPOCH + 3}"], nproc=2)
     assert "resumed from" in run_script("train.py", [*args, f"output_dir={split}"], nproc=2).stdout

@@ -24,7 +24,13 @@ def final_state(output_dir):
 def test_world_size_and_accumulation_do_not_change_training(tmp_path, nproc, batch_size, accum, strategy):
     """N processes x batch B x accumulation K trains like 1 process with batch N*B*K,
     with DDP and with FSDP (whose ranks start from rank 0's weights, built once)."""
-    common = [*FAST, "data.augment=true", "train.epochs=1", "checkpoint.resume=none", f"train.strategy={strategy}"]
+    common = [
+        *FAST,
+        "data.augment=true",
+        "train.epochs=1",
+        "checkpoint.resume=none",
+        f"fsdp.enabled={strategy == 'fsdp'}",
+    ]
     reference, other = tmp_path / "reference", tmp_path / "other"
     run_script("train.py", [*common, "train.batch_size=16", f"output_dir={reference}"])
     run_script(
@@ -65,7 +71,7 @@ RESUME = [
 )
 def test_interrupted_run_resumes_bitwise_identical(tmp_path, nproc, workers, stop_at, strategy):
     """Under FSDP the checkpoints are sharded folders (each rank writes its own shards)."""
-    args = [*RESUME, f"train.num_workers={workers}", f"train.strategy={strategy}"]
+    args = [*RESUME, f"train.num_workers={workers}", f"fsdp.enabled={strategy == 'fsdp'}"]
     whole, split = tmp_path / "whole", tmp_path / "split"
     run_script("train.py", [*args, f"output_dir={whole}"], nproc=nproc)
     stopped = run_script("train.py", [*args, f"output_dir={split}", f"train.stop_at_step={stop_at}"], nproc=nproc)
@@ -123,7 +129,7 @@ from engine.distributed import cleanup_distributed, init_distributed_mode, is_ma
 cfg = train.load_config(None, sys.argv[2:], data=train.DataConfig, model=train.ModelConfig, optim=train.OptimConfig)
 env, device = init_distributed_mode(cfg.dist)
 checkpointer = Checkpointer(cfg, env, device)
-state = train.load_train_objs(cfg, env, device, checkpointer)[2]
+state = train.load_train_objs(cfg, env, device, checkpointer, train.build_parts(cfg, env))[2]
 checkpointer.resume(state)
 loaded = state.state_dict()
 if is_main():
@@ -140,7 +146,7 @@ def sharded_run(tmp_path_factory):
     """FSDP on 2 processes stopped at step 10, mid-epoch: its checkpoints are sharded
     folders. Tests that train on from it work in a copy."""
     out = tmp_path_factory.mktemp("sharded") / "run"
-    run_script("train.py", [*SHARDED, "train.strategy=fsdp", f"output_dir={out}", "train.stop_at_step=10"], nproc=2)
+    run_script("train.py", [*SHARDED, "fsdp.enabled=true", f"output_dir={out}", "train.stop_at_step=10"], nproc=2)
     assert (out / "checkpoints" / "last.pt").is_dir()
     return out
 
@@ -168,12 +174,16 @@ def test_a_sharded_checkpoint_loads_exactly_on_other_layouts(tmp_path, sharded_r
     shutil.copytree(sharded_run, out, symlinks=True)
     saved_path = out / "checkpoints" / "last.pt"
     saved = load_checkpoint(saved_path)
-    layout = [f"train.strategy={strategy}", f"output_dir={tmp_path / 'other'}", f"checkpoint.resume={saved_path}"]
+    layout = [
+        f"fsdp.enabled={strategy == 'fsdp'}",
+        f"output_dir={tmp_path / 'other'}",
+        f"checkpoint.resume={saved_path}",
+    ]
     loaded = load_and_dump(tmp_path, [*SHARDED, *layout], nproc)
     for part in ("model", "optimizer"):
         assert_same_tensors(saved[part], loaded[part], part)
     assert loaded["scheduler"] == saved["scheduler"] and loaded["step"] == 10
-    resumed = run_script("train.py", [*SHARDED, f"train.strategy={strategy}", f"output_dir={out}"], nproc=nproc)
+    resumed = run_script("train.py", [*SHARDED, f"fsdp.enabled={strategy == 'fsdp'}", f"output_dir={out}"], nproc=nproc)
     assert "resumed from" in resumed.stdout and final_state(out)["epoch"] == 1
 
 

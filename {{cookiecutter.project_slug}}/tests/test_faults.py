@@ -118,7 +118,7 @@ train.main(sys.argv[1:])
 def test_processes_killed_mid_sharded_save_leave_the_previous_checkpoint(tmp_path):
     out, script = tmp_path / "run", tmp_path / "hangs_in_save.py"
     script.write_text(HANGS_IN_SHARDED_SAVE)
-    args = [*FAST, "train.strategy=fsdp", "checkpoint.every_steps=2", "train.stop_at_step=6", f"output_dir={out}"]
+    args = [*FAST, "fsdp.enabled=true", "checkpoint.every_steps=2", "train.stop_at_step=6", f"output_dir={out}"]
     run = subprocess.Popen(
         command(str(script), args, nproc=2),
         cwd=machinery_project(),
@@ -201,7 +201,7 @@ def test_checkpoint_that_runs_code_is_refused_by_train_py(tmp_path):
 def test_sharded_checkpoint_that_runs_code_is_refused_by_train_py(tmp_path):
     """A sharded checkpoint's .metadata is a pickle too: hostile ones end in one line."""
     out, marker = tmp_path / "run", tmp_path / "pwned"
-    run_script("train.py", [*FAST, "train.strategy=fsdp", "train.stop_at_step=2", f"output_dir={out}"], nproc=2)
+    run_script("train.py", [*FAST, "fsdp.enabled=true", "train.stop_at_step=2", f"output_dir={out}"], nproc=2)
     folder = out / "checkpoints" / "step-00000002.dcp"
     metadata = pickle.loads((folder / ".metadata").read_bytes())  # our own file: safe to unpickle
     metadata.storage_meta.modules = [RunsCode(marker)]
@@ -634,7 +634,7 @@ def all_finite(checkpoint: dict) -> bool:
 
 @pytest.mark.parametrize("nproc, strategy", [(None, "ddp"), (2, "ddp"), (2, "fsdp")])
 def test_a_diverging_run_stops_every_rank_and_keeps_its_last_good_checkpoint(tmp_path, nproc, strategy):
-    args = [*DIVERGING, f"train.strategy={strategy}", f"output_dir={tmp_path}"]
+    args = [*DIVERGING, f"fsdp.enabled={strategy == 'fsdp'}", f"output_dir={tmp_path}"]
     result = run_script("train.py", args, nproc=nproc, check=False)
     line = one_error_line(result)
     good = last(tmp_path)
@@ -675,7 +675,7 @@ def contents(path: Path) -> dict[str, bytes]:
 
 @pytest.mark.parametrize("nproc, strategy", [(None, "ddp"), (2, "ddp"), (2, "fsdp")])
 def test_a_full_disk_fails_the_save_in_one_line_keeps_the_last_checkpoint_and_resumes(small_disk, nproc, strategy):
-    out, args = small_disk / "run", [*FAST, f"train.strategy={strategy}"]
+    out, args = small_disk / "run", [*FAST, f"fsdp.enabled={strategy == 'fsdp'}"]
     run_script("train.py", [*args, f"output_dir={out}", "train.stop_at_step=3"], nproc=nproc)
     before = contents(out / "checkpoints" / "last.pt")
     free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize

@@ -61,7 +61,7 @@ def test_frozen_for_an_epoch_then_trained_and_a_resume_after_the_unfreeze_is_bit
 
 
 def test_under_fsdp_frozen_parameters_stay_as_they_are_for_the_whole_run(tmp_path):
-    run_script("train.py", [*ARGS, "train.epochs=1", "train.strategy=fsdp", f"output_dir={tmp_path}"], nproc=2)
+    run_script("train.py", [*ARGS, "train.epochs=1", "fsdp.enabled=true", f"output_dir={tmp_path}"], nproc=2)
     assert same(weights(tmp_path, 4, "net.2"), weights(tmp_path, STEPS_PER_EPOCH, "net.2"))
     assert not same(weights(tmp_path, 4, "net.4"), weights(tmp_path, STEPS_PER_EPOCH, "net.4"))
 
@@ -79,8 +79,8 @@ def test_a_prefix_that_names_no_parameter_is_a_config_error():
         "(see model.named_parameters())"
     )
     assert [p.requires_grad for p in freezing("0").prepare_model(model).parameters()] == [False, False, True, True]
-    with pytest.raises(ConfigError, match="freeze.epochs needs train.strategy=ddp"):
-        freezing("0", "freeze.epochs=1", "train.strategy=fsdp")
+    with pytest.raises(ConfigError, match="freeze.epochs needs DDP"):
+        freezing("0", "freeze.epochs=1", "fsdp.enabled=true")
     with pytest.raises(ConfigError, match="freeze.epochs is set but freeze.params names no parameters"):
         reference_config(None, ["freeze.epochs=1"])
 

@@ -11,7 +11,7 @@ import torch.nn as nn
 from conftest import PROJECT, machinery_project, read_metrics, run_script, tensors
 from engine.checkpoint import load_checkpoint
 from engine.errors import TaskError
-from engine.parallel import check_ties_within_blocks, move_to_meta
+from engine.parts.fsdp import check_ties_within_blocks, move_to_meta
 
 # A token model of the test's own on tests/sequence_task's data: each token predicts the
 # next token id (modulo the vocabulary) through an output layer tied to its embedding.
@@ -78,7 +78,7 @@ def validation_step(model, batch, metrics) -> None:
     metrics["acc"].update(hits.sum(1) / batch["mask"].sum(1))
 """
 RUN = [
-    "train.strategy=fsdp",
+    "fsdp.enabled=true",
     "optim.name=adamw",
     "optim.lr=0.05",
     "optim.scale_lr=false",
@@ -159,5 +159,5 @@ def test_tied_parameters_in_different_fsdp_blocks_are_refused_in_one_line():
         check_ties_within_blocks(Tied(), (nn.Embedding,))
     assert str(refused.value) == (
         "the tied parameters embed.weight (block embed) and head.weight (no block) are in different FSDP blocks, "
-        "which cannot share a parameter; take Embedding out of model.py's BLOCKS, or use train.strategy=ddp"
+        "which cannot share a parameter; take Embedding out of model.py's BLOCKS, or set fsdp.enabled=false"
     )

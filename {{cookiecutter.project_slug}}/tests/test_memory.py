@@ -14,7 +14,8 @@ from conftest import FAST, PROJECT, machinery_project, read_metrics, reference_t
 from engine.checkpoint import load_checkpoint
 from engine.errors import TaskError
 from engine.host import freeze_setup_objects
-from engine.parallel import build_on_meta, checkpoint_activations
+from engine.parallel import checkpoint_activations
+from engine.parts.fsdp import build_on_meta
 
 reference_model = reference_task().model
 BLOCKS, MLP, small_image_resnet18 = reference_model.BLOCKS, reference_model.MLP, reference_model.small_image_resnet18
@@ -177,11 +178,9 @@ def test_fsdp_and_ddp_resume_each_other(tmp_path):
     ddp, mixed = tmp_path / "ddp", tmp_path / "mixed"
     args = [*FAST, "train.epochs=1"]
     run_script("train.py", [*args, f"output_dir={ddp}"], nproc=2)
-    run_script("train.py", [*args, f"output_dir={mixed}", "train.strategy=fsdp", "train.stop_at_step=10"], nproc=2)
-    run_script("train.py", [*args, f"output_dir={mixed}", "train.strategy=ddp", "train.stop_at_step=20"], nproc=2)
-    last = run_script(
-        "train.py", [*args, f"output_dir={mixed}", "train.strategy=fsdp", "train.fsdp_cpu_offload=true"], nproc=2
-    )
+    run_script("train.py", [*args, f"output_dir={mixed}", "fsdp.enabled=true", "train.stop_at_step=10"], nproc=2)
+    run_script("train.py", [*args, f"output_dir={mixed}", "fsdp.enabled=false", "train.stop_at_step=20"], nproc=2)
+    last = run_script("train.py", [*args, f"output_dir={mixed}", "fsdp.enabled=true", "fsdp.cpu_offload=true"], nproc=2)
     assert "cpu, fsdp" in last.stdout
     a = load_checkpoint(ddp / "checkpoints" / "last.pt")
     b = load_checkpoint(mixed / "checkpoints" / "last.pt")
@@ -214,7 +213,7 @@ def test_after_resume_each_process_holds_memory_on_its_own_gpu_only(tmp_path):
     assert rows[0]["cuda_reserved_peak_mib"] <= 1.25 * rows[1]["cuda_reserved_peak_mib"]
 
 
-SHARDED_SETUP = [*FAST, "model.name=resnet18", "data.image_size=8", "train.strategy=fsdp", "optim.name=adamw"]
+SHARDED_SETUP = [*FAST, "model.name=resnet18", "data.image_size=8", "fsdp.enabled=true", "optim.name=adamw"]
 
 
 def run_sharded_setup(out, nproc, *args):
@@ -323,7 +322,7 @@ def test_under_fsdp_no_rank_but_0_holds_more_than_its_shard_when_its_first_step_
     shutil.copytree(machinery_project(), project)
     (project / "model.py").write_text((project / "model.py").read_text() + DEEP_MLP)
     (project / "first_step_heap.py").write_text(FIRST_STEP_HEAP)
-    args = [*FAST, "train.strategy=fsdp", "train.stop_at_step=1", f"output_dir={tmp_path / 'run'}"]
+    args = [*FAST, "fsdp.enabled=true", "train.stop_at_step=1", f"output_dir={tmp_path / 'run'}"]
     run_script(str(project / "first_step_heap.py"), args, nproc=nproc, cwd=project)
     held = [json.loads((project / f"held{rank}").read_text()) for rank in range(nproc)]
     assert held[0]["full_mib"] > 45, held[0]  # the deep MLP's weights

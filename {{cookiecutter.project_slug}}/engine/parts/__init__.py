@@ -20,11 +20,18 @@ class Part:
     """An optional feature plugged into the run. Override the hooks it needs."""
 
     name = ""  # its config section, and its entry in checkpoints
+    shards_model = False  # the model's tensors are split across processes (FSDP)
+    saves_sharded = False  # checkpoints are folders of every rank's shards
 
     # Set-up
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """The model as built by the task, before it is moved and wrapped."""
         return model
+
+    def build_model(self, build, cfg, env, device, blocks) -> nn.Module | None:
+        """The model from `build()`, placed and wrapped by the part (FSDP shards it), or
+        None: built, moved and wrapped in DDP by the core."""
+        return None
 
     def joins_later(self, model: nn.Module, steps_per_epoch: int) -> dict[str, int]:
         """Parameters frozen now that are trained from a later step: {name: step} (recipe.py)."""

@@ -239,7 +239,8 @@ def test_a_part_answered_no_leaves_no_file_config_key_or_line_of_text(tmp_path):
     gone = full_files - bare_files
     assert bare_files <= full_files and gone, gone
     assert all(name.startswith(("engine/parts/", "engine/launch.py", "tests/test_", "docs/")) for name in gone), gone
-    assert sorted(p.name for p in (bare / "engine" / "parts").iterdir()) == ["__init__.py"]
+    # fsdp has no answer yet: its sharded checkpoints are still the core's (engine/sharded.py).
+    assert sorted(p.name for p in (bare / "engine" / "parts").iterdir()) == ["__init__.py", "fsdp.py"]
 
     full_keys, bare_keys = print_config_keys(full), print_config_keys(bare)
     part_sections = {"ema.", "early_stopping.", "freeze.", "profiler.", "tracking."}

@@ -82,7 +82,8 @@ def main(argv=None) -> None:
         rng_restored = checkpointer.resume(state)
         if cfg.train.sanity_check:
             sanity_check(state, val_loader, cfg, checkpointer)
-        # Rank 0's log and trackers (a QuietLog elsewhere), closed at the end: their runs as failed on an error.
+        # Rank 0's log and the parts' records, e.g. trackers (a QuietLog elsewhere), closed at the
+        # end: their runs as failed on an error.
         with start_run_log(cfg, env, state, train_loader, val_loader) as run_log:
             # A hang fails the run after dist.step_timeout_minutes once the first step is done.
             shorten_timeout_after_first_step(state.optimizer, cfg.dist.step_timeout_minutes, [stop.group])

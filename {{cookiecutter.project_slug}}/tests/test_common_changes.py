@@ -11,6 +11,8 @@ import torch
 
 from conftest import FAST, machinery_project, read_metrics, run_script, tensors
 from engine.checkpoint import load_checkpoint
+from engine.errors import UsageError
+from engine.training import TrainState
 
 STEPS_PER_EPOCH = 256 // (16 * 2)
 ARGS = [*FAST, "data.train_size=256", "train.epochs=2"]
@@ -136,3 +138,23 @@ def test_a_change_in_one_user_file_trains_and_resumes_bitwise(tmp_path, change, 
         assert all(row["val_top2"] >= row["val_acc"] for row in rows_a)
     if change == "state":
         assert a["states"]["lr_tally"]["steps"] == 2 * STEPS_PER_EPOCH
+
+
+class Counter:
+    def state_dict(self) -> dict:
+        return {}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+def test_a_name_taken_twice_or_an_object_without_state_is_refused_in_one_line():
+    state = TrainState(*[None] * 7)
+    state.register("counter", Counter())
+    with pytest.raises(
+        UsageError, match=r"^a checkpointed state is already named 'counter'; register it under another"
+    ):
+        state.register("counter", Counter())
+    with pytest.raises(UsageError, match=r"^'plain': a list has no state_dict\(\) and load_state_dict\(\) to save$"):
+        state.register("plain", [])
+    assert list(state.states) == ["counter"]

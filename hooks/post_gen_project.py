@@ -17,6 +17,7 @@ PARTS = {
     "tracking": "{{ cookiecutter.tracking }}" == "True",
     "memory_report": "{{ cookiecutter.memory_report }}" == "True",
     "launcher": "{{ cookiecutter.launcher }}" == "True",
+    "fsdp": "{{ cookiecutter.fsdp }}" == "True",
 }
 PART_FILES = {
     "ema": ["engine/parts/ema.py", "tests/test_ema.py", "docs/ema.md"],
@@ -26,6 +27,14 @@ PART_FILES = {
     "tracking": ["engine/parts/tracking.py", "tests/test_trackers.py", "tests/test_tensorboard.py", "docs/tracking.md"],
     "memory_report": ["engine/parts/memory.py", "tests/test_memory_report.py", "docs/memory.md"],
     "launcher": ["engine/launch.py", "tests/test_launcher.py"],  # a tool, not a Part
+    "fsdp": [
+        "engine/parts/fsdp.py",
+        "engine/sharded.py",
+        "tests/test_fsdp.py",
+        "tests/test_fsdp_tied.py",
+        "tests/sharded_setup.py",
+        "docs/fsdp.md",
+    ],
 }
 
 

@@ -26,6 +26,7 @@ SUITE_PARTS = {
         "test_launch.py",
         "test_entry_points.py",
         "test_launcher.py",
+        "test_fsdp.py",
         "test_fsdp_tied.py",
         "test_common_changes.py",
     ],

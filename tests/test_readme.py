@@ -17,6 +17,7 @@ PARTS = {
     "tracking": ("tracking.md", r"tensorboard|wandb|weights & biases|mlflow|\btracking[.:]"),
     "memory_report": ("memory.md", r"memory (table|report)|nvidia-ml-py|\bNVML\b|\.\[gpu\]|(?<![\w-])memory\.md"),
     "launcher": (None, r"engine\.launch"),  # a section of launch.md, no page of its own
+    "fsdp": ("fsdp.md", r"\bfsdp|sharded"),
 }
 ALL_PARTS_OFF = {answer: "no" for answer in PARTS}
 # Each task with every part and with none; and the default task without one part at a time,

@@ -1,75 +1,53 @@
 """Checkpoints: atomic writes, CPU-mapped reads that run no code, auto-resume.
 
 Layout under <output_dir>/checkpoints/:
-  step-00001234.pt   one file per save (DDP, one process), written by rank 0
-  step-00001234.dcp/ one folder per save under FSDP (fsdp.enabled): each rank writes its
-                     own shards of model and optimizer (engine/sharded.py), rank 0 adds
-                     .metadata and run_state.pt (schedule, counters, config, every rank's
-                     RNG state); no rank ever holds the full state
+  step-00001234.pt   one file per save, written by rank 0
   last.pt            the newest complete checkpoint (what `resume=auto` continues from)
   best.pt            the epoch with the best checkpoint.best_metric so far
-The newest `checkpoint.keep_last` step checkpoints are kept, of either kind.
+The newest `checkpoint.keep_last` step checkpoints are kept. A part that shards the
+model may save folders of every rank's shards instead (step-00001234.dcp/, its module
+says how); last.pt and best.pt are then relative links to them, which pruning spares.
 
-last.pt and best.pt keep their names for both kinds, so every command that takes a
-checkpoint (resume, init_from, evaluate.py) takes either. For a file they are hard links
-(copies where the file system has none): best.pt outlives the pruning of its step file.
-A folder cannot be hard-linked, so for a folder they are relative symbolic links, and
-pruning spares the folders they point to (best.pt's folder is then kept beyond
-keep_last, taking the disk space its hard link takes today).
+last.pt and best.pt are hard links (copies where the file system has none): best.pt
+outlives the pruning of its step file. Every command that takes a checkpoint (resume,
+init_from, evaluate.py, export.py) takes either.
 
-Atomic: a file is written to a '.*.tmp' file and renamed; a folder is written to a
-'.step-N.dcp.tmp' folder by every rank and renamed by rank 0 only after every rank's
-shards, the metadata and run_state.pt are on disk. A folder is never replaced: a step
-saved again gets the next free name, step-N.1.dcp. Names starting with '.' are never
-taken for checkpoints, and the next save removes them.
+Atomic: a file is written to a '.*.tmp' file, fsynced and renamed. Names starting with
+'.' are never taken for checkpoints, and the next save removes them.
 
 A checkpoint holds plain data only (tensors, numbers, strings, lists, dicts), so it loads
-with `torch.load(weights_only=True)`, which refuses to run code hidden in a pickle; a
-folder's .metadata is read by an unpickler that allows DCP's metadata classes only.
-
-Every load, whatever the entry point (resume, init_from, evaluate.py, export.py), goes
-through `load_checkpoint`, which checks what the checkpoint holds (`check_contents`): a
-file that is not a checkpoint of this project, or one of a newer format, is refused in
-one line before anything uses it.
+with `torch.load(weights_only=True)`, which refuses to run code hidden in a pickle.
+Every load goes through `load_checkpoint`, which checks what the checkpoint holds
+(`check_contents`): a file that is not a checkpoint of this project, or one of a newer
+format, is refused in one line before anything uses it.
 """
 
 import dataclasses
+import importlib.util
 import math
 import os
 import pickle
 import pickletools
 import re
 import shutil
+import sys
 import tempfile
 import warnings
 import zipfile
 from pathlib import Path
 
 import torch
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from engine.config import Config, TrainConfig, effective_batch, field_default, plain
 from engine.distributed import DistEnv, all_gather_objects, gather_objects_on_main, is_main, stop_all_if_any_fails
 from engine.errors import CheckpointError, UsageError
 from engine.logs import log
+from engine.parts import modules
 from engine.seeding import capture_rng_state, restore_rng_state
-from engine.sharded import (
-    METADATA_FILE,
-    UnusableCheckpoint,
-    load_full,
-    load_sharded,
-    model_shapes,
-    read_metadata,
-    refused_global,
-    save_sharded,
-    torch_lacks,
-    written_by_newer_torch,
-)
 
 # step-00001234.pt, step-00001234.dcp, and a folder saved again at its step, step-00001234.1.dcp
 STEP_FILE = re.compile(r"^step-(\d+)(?:\.(\d+))?\.(pt|dcp)$")
-RUN_STATE = "run_state.pt"  # in a sharded checkpoint: all but the model and optimizer
 LINKS = ("last.pt", "best.pt")
 PREFIXES = ("module.", "_orig_mod.")  # added by DDP and torch.compile wrappers
 
@@ -81,8 +59,7 @@ PREFIXES = ("module.", "_orig_mod.")  # added by DDP and torch.compile wrappers
 CHECKPOINT_FORMAT = 2
 SHAPE = ("batch_size", "accum_steps")  # train's keys that, with the world size, decide the data's order
 # What every checkpoint of this project holds, and of which type ("model", a dict of
-# tensors, too); a sharded folder's run_state.pt holds all but "model" and "optimizer",
-# which its .metadata lists.
+# tensors, too); a folder's run state holds all but the tensors, which its metadata lists.
 RUN_STATE_TYPES = {
     "step": int,
     "epoch": int,
@@ -95,6 +72,49 @@ RUN_STATE_TYPES = {
 }
 ZIP_HEAD = b"PK\x03\x04"  # torch.save's files are zip archives
 LEGACY_HEAD = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[:-1]  # torch.save's files before zip
+
+
+class UnusableCheckpoint(CheckpointError):
+    """A checkpoint that cannot be used: `problem` says why (what auto-resume warns before
+    it tries an older one), the message adds what to do."""
+
+    def __init__(self, problem: str, remedy: str = "use another checkpoint"):
+        super().__init__(f"{problem}; {remedy}")
+        self.problem = problem
+
+
+def written_by_newer_torch(path: Path, name: str) -> UnusableCheckpoint:
+    lacks = f"it names {name}, which torch {torch.__version__} lacks"
+    return UnusableCheckpoint(
+        f"checkpoint {str(path)!r} was written by a newer torch: {lacks}",
+        "load it with that torch, or re-export it there",
+    )
+
+
+def torch_lacks(name: str) -> bool:
+    """Whether `name` ('torch.x.Y') is torch's but not in this torch: a newer one wrote it.
+    Only torch's own modules are looked at, and none is imported."""
+    module, _, attribute = name.rpartition(".")
+    if module != "torch" and not module.startswith("torch."):
+        return False
+    loaded = sys.modules.get(module)
+    if loaded is not None:
+        return attribute not in vars(loaded)
+    try:
+        return importlib.util.find_spec(module) is None
+    except ImportError:  # a parent package this torch lacks
+        return True
+
+
+def refused_global(error: BaseException) -> str | None:
+    """The function or class the weights-only unpickler refused, e.g. 'io.open'."""
+    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
+    return found.group(1) if found else None
+
+
+def one_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__
 
 
 def checkpoint_dir(output_dir: str | Path) -> Path:
@@ -216,56 +236,17 @@ def remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def unused_folder_name(directory: Path, step: int) -> Path:
-    """step-N.dcp, or step-N.1.dcp, step-N.2.dcp... when the step was saved before (e.g. at
-    an epoch's end after a step checkpoint): a published folder is never replaced, so
-    last.pt and best.pt never point at a folder being rewritten."""
-    final, revision = directory / f"step-{step:08d}.dcp", 0
-    while os.path.lexists(final):
-        revision += 1
-        final = directory / f"step-{step:08d}.{revision}.dcp"
-    return final
-
-
-def commit_folder(tmp: Path, final: Path) -> None:
-    """Rename a completely written checkpoint folder to its unused final name."""
-    fsync_dir(tmp)
-    os.rename(tmp, final)
-    fsync_dir(final.parent)
-
-
-def publish_link(folder: Path, target: Path) -> None:
-    """Point `target` (last.pt, best.pt) at a checkpoint folder, atomically."""
-    tmp = target.with_name(f".{target.name}.link.tmp")
-    tmp.unlink(missing_ok=True)
-    os.symlink(folder.name, tmp)  # relative: the checkpoints folder may be moved or mounted elsewhere
-    os.replace(tmp, target)
-    fsync_dir(target.parent)
-
-
 def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
     """Read a checkpoint of this project onto the CPU, refusing anything but plain data
-    and anything else than such a checkpoint. A sharded one (a folder) is read whole by
-    this process, unless `tensors` is False: then without "model" and "optimizer", which
-    `load_sharded` reads shard by shard."""
+    and anything else than such a checkpoint. A folder is read whole by this process,
+    unless `tensors` is False: then without the tensors, which `load_weights` reads
+    shard by shard."""
     path = Path(path)
     if path.is_dir():
-        return load_sharded_checkpoint(path, tensors)
+        return folders(path).read_checkpoint(path, tensors)
     state = load_plain(path)
     check_contents(path, state, tensors_inside=True)
     return state
-
-
-def load_sharded_checkpoint(path: Path, tensors: bool) -> dict:
-    if not any((path / name).exists() for name in (METADATA_FILE, RUN_STATE)):
-        raise not_ours(path, "a folder without .metadata or run_state.pt")
-    metadata = read_metadata(path / METADATA_FILE)  # refuses a hostile or torn folder before anything else is read
-    if not (path / RUN_STATE).is_file():
-        raise UnusableCheckpoint(f"checkpoint {str(path)!r} is incomplete: it has no {RUN_STATE}")
-    state = load_plain(path / RUN_STATE)
-    check_contents(path, state, tensors_inside=False)
-    check_sharded_weights(path, metadata)
-    return {**state, **load_full(path)} if tensors else state
 
 
 def check_contents(path: Path, state: dict, tensors_inside: bool) -> None:
@@ -307,16 +288,6 @@ def check_weights(path: Path, key: str, weights) -> None:
             raise not_ours(path, f"{key!r} holds {name!r}: {a(type(value))}, not a tensor")
 
 
-def check_sharded_weights(path: Path, metadata: Metadata) -> None:
-    """A sharded folder's model weights, as its metadata lists them: there, and tensors."""
-    weights = {key: value for key, value in metadata.state_dict_metadata.items() if key.startswith("model.")}
-    if not weights:
-        raise not_ours(path, "no 'model' in its .metadata")
-    for key, value in weights.items():
-        if not isinstance(value, TensorStorageMetadata):
-            raise not_ours(path, f"'model' holds {key.removeprefix('model.')!r}: not a tensor")
-
-
 def a(kind: type) -> str:
     """'a list', 'an int'."""
     return f"{'an' if kind.__name__[0] in 'aeiouAEIOU' else 'a'} {kind.__name__}"
@@ -330,12 +301,24 @@ def not_ours(path: Path, detail: str) -> UnusableCheckpoint:
 
 def load_model_state(path: str | Path) -> dict:
     """A checkpoint's model weights, whole, on the CPU, without wrapper prefixes (for
-    export). A sharded folder's optimizer state is not read."""
+    export). A folder's optimizer state is not read."""
     path = Path(path)
-    if not path.is_dir():
-        return strip_prefixes(load_checkpoint(path)["model"])
-    load_sharded_checkpoint(path, tensors=False)  # refuses what is not a checkpoint of this project
-    return strip_prefixes(load_full(path, keys={"model"})["model"])
+    if path.is_dir():
+        return strip_prefixes(folders(path).read_model_weights(path))
+    return strip_prefixes(load_checkpoint(path)["model"])
+
+
+def folders(path: Path):
+    """The module of the part that reads and writes checkpoint folders (its FOLDERS); a
+    project generated without one refuses a folder in one line."""
+    found = next((module.FOLDERS for module in modules() if hasattr(module, "FOLDERS")), None)
+    if found is None:
+        raise UnusableCheckpoint(
+            f"checkpoint {str(path)!r} is a folder, and this project reads .pt files only (folders of shards "
+            "come with the fsdp answer when it is generated)",
+            "use a .pt checkpoint",
+        )
+    return found
 
 
 def load_plain(path: Path) -> dict:
@@ -444,22 +427,19 @@ def load_weights(model: torch.nn.Module, path: Path, ckpt: dict, optimizer=None,
     """A checkpoint's model weights (and optimizer state, when `optimizer` is given) into a
     plain, DDP or FSDP model; part="ema": a part's set of weights instead. `ckpt` is
     what load_checkpoint(path, tensors=False) returned: a file's whole contents, or a
-    sharded folder's run state, whose tensors each rank then reads shard by shard,
-    resharded to this run's processes. Every rank must call this."""
+    folder's run state, whose tensors each rank then reads shard by shard. Every rank
+    must call this."""
     if not has_part(path, ckpt, part):
         raise CheckpointError(f"{path} has no {part!r} weights (that part was off when it was saved)")
     if part in ckpt:
         load_model_weights(model, ckpt[part], str(path))
         return  # a file's optimizer state is loaded by TrainState.load_state_dict
-    check_shapes(model, model_shapes(read_metadata(path / METADATA_FILE), part), str(path))
-    load_sharded(model, path, optimizer, part)
+    folders(path).load_into(model, path, optimizer, part)
 
 
 def has_part(path: Path, ckpt: dict, part: str) -> bool:
-    """Whether a checkpoint file, or a sharded folder's metadata, holds `part`."""
-    if "model" in ckpt:
-        return part in ckpt
-    return any(key.startswith(f"{part}.") for key in read_metadata(path / METADATA_FILE).state_dict_metadata)
+    """Whether a checkpoint file, or a folder's metadata, holds `part`."""
+    return part in ckpt if "model" in ckpt else folders(path).holds(path, part)
 
 
 def load_part_weights(part, model: torch.nn.Module, path: Path, ckpt: dict) -> None:
@@ -523,7 +503,7 @@ class Checkpointer:
         keep_last = self.cfg.checkpoint.keep_last
         try:
             if any(part.saves_sharded for part in state.parts):  # folders on any number of processes: one kind per run
-                self.save_folder(state, {**state.run_state_dict(), **run}, is_best)
+                folders(self.directory).save_checkpoint(self, state, {**state.run_state_dict(), **run}, is_best)
                 return
             payload = {**state.state_dict(), **run}
             with stop_all_if_any_fails(self.device):
@@ -534,38 +514,6 @@ class Checkpointer:
                 f"checkpoint not saved ({error}); free disk space or choose a writable output_dir "
                 "(earlier checkpoints are intact)"
             ) from None
-
-    def save_folder(self, state, run_state: dict, is_best: bool) -> None:
-        """Every rank writes its shards into a temporary folder; rank 0 adds run_state.pt
-        and renames the folder into place only when all of it is on disk."""
-        final = self.directory / f"step-{state.step:08d}.dcp"  # its name in messages
-        tmp = self.directory / f".{final.name}.tmp"
-        with stop_all_if_any_fails(self.device):
-            if is_main():
-                self.directory.mkdir(parents=True, exist_ok=True)
-                remove(tmp)  # left by a save killed midway
-        try:
-            save_sharded(state.sharded_state_dict(), tmp, final)  # raises on every rank alike
-            with stop_all_if_any_fails(self.device):
-                if is_main():
-                    self.finish_folder(tmp, state.step, run_state, is_best)
-        except BaseException:
-            if is_main():
-                remove(tmp)  # every rank has stopped writing into it
-            raise
-
-    def finish_folder(self, tmp: Path, step: int, run_state: dict, is_best: bool) -> None:
-        final = unused_folder_name(self.directory, step)
-        try:
-            atomic_write(tmp, RUN_STATE, lambda f: torch.save(run_state, f))
-            commit_folder(tmp, final)
-            publish_link(final, self.directory / "last.pt")
-            if is_best:
-                publish_link(final, self.directory / "best.pt")
-            prune(self.directory, self.cfg.checkpoint.keep_last)
-        except (OSError, RuntimeError) as error:
-            reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
-            raise CheckpointError(f"cannot write {str(final)!r}: {reason}") from None
 
     def last_good(self) -> str:
         """Which checkpoint a run that stops now leaves (checkpoints are written only after

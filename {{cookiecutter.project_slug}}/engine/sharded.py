@@ -1,6 +1,17 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP): every rank writes and
-reads only its own shards of the model and optimizer, and DCP reshards on load (another
-number of processes, DDP or one process).
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), the FSDP part's: every
+rank writes and reads only its own shards of the model, the optimizer and the parts'
+weights, and DCP reshards on load (another number of processes, DDP or one process).
+
+  step-00001234.dcp/ one folder per save: each rank writes its own shards, rank 0 adds
+                     .metadata and run_state.pt (schedule, counters, config, every rank's
+                     RNG state); no rank ever holds the full state
+last.pt and best.pt are relative symbolic links to a folder (one cannot be hard-linked),
+and pruning spares the folders they point to. A folder is written to
+'.step-N.dcp.tmp' by every rank and renamed by rank 0 only after every rank's shards,
+the metadata and run_state.pt are on disk; it is never replaced: a step saved again gets
+the next free name, step-N.1.dcp. engine/checkpoint.py finds this module through the
+part's FOLDERS and calls read_checkpoint, read_model_weights, holds, load_into and
+save_checkpoint.
 
 Reading runs no code from the files. DCP's FileSystemReader unpickles `.metadata` with a
 plain `pickle.load`, and its default planner loads non-tensor items (the optimizer's
@@ -10,12 +21,9 @@ weights-only unpickler before any planner sees it. Tensors DCP already reads wei
 """
 
 import errno
-import importlib.util
 import io
 import os
 import pickle
-import re
-import sys
 from pathlib import Path
 
 import torch
@@ -23,7 +31,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import (
     get_model_state_dict,
     get_optimizer_state_dict,
@@ -32,9 +40,26 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
+from engine.checkpoint import (
+    UnusableCheckpoint,
+    atomic_write,
+    check_contents,
+    check_shapes,
+    fsync_dir,
+    load_plain,
+    not_ours,
+    one_line,
+    prune,
+    refused_global,
+    remove,
+    torch_lacks,
+    written_by_newer_torch,
+)
+from engine.distributed import is_main, stop_all_if_any_fails
 from engine.errors import CheckpointError
 
 METADATA_FILE = ".metadata"
+RUN_STATE = "run_state.pt"  # in a checkpoint folder: all but the model's, the optimizer's and the parts' tensors
 
 # Everything a `.metadata` file of DCP's file system writer refers to (torch 2.x).
 METADATA_GLOBALS = {
@@ -58,38 +83,6 @@ METADATA_GLOBALS = {
     ("collections", "OrderedDict"),
 }
 TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
-
-
-class UnusableCheckpoint(CheckpointError):
-    """A checkpoint that cannot be used: `problem` says why (what auto-resume warns before
-    it tries an older one), the message adds what to do."""
-
-    def __init__(self, problem: str, remedy: str = "use another checkpoint"):
-        super().__init__(f"{problem}; {remedy}")
-        self.problem = problem
-
-
-def written_by_newer_torch(path: Path, name: str) -> UnusableCheckpoint:
-    lacks = f"it names {name}, which torch {torch.__version__} lacks"
-    return UnusableCheckpoint(
-        f"checkpoint {str(path)!r} was written by a newer torch: {lacks}",
-        "load it with that torch, or re-export it there",
-    )
-
-
-def torch_lacks(name: str) -> bool:
-    """Whether `name` ('torch.x.Y') is torch's but not in this torch: a newer one wrote it.
-    Only torch's own modules are looked at, and none is imported."""
-    module, _, attribute = name.rpartition(".")
-    if module != "torch" and not module.startswith("torch."):
-        return False
-    loaded = sys.modules.get(module)
-    if loaded is not None:
-        return attribute not in vars(loaded)
-    try:
-        return importlib.util.find_spec(module) is None
-    except ImportError:  # a parent package this torch lacks
-        return True
 
 
 class RefusedGlobal(pickle.UnpicklingError):
@@ -303,12 +296,109 @@ def first_failure(error: CheckpointException) -> str | CheckpointError:
     return one_line(error)
 
 
-def refused_global(error: BaseException) -> str | None:
-    """The function or class the weights-only unpickler refused, e.g. 'io.open'."""
-    found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
-    return found.group(1) if found else None
+def unused_folder_name(directory: Path, step: int) -> Path:
+    """step-N.dcp, or step-N.1.dcp, step-N.2.dcp... when the step was saved before (e.g. at
+    an epoch's end after a step checkpoint): a published folder is never replaced, so
+    last.pt and best.pt never point at a folder being rewritten."""
+    final, revision = directory / f"step-{step:08d}.dcp", 0
+    while os.path.lexists(final):
+        revision += 1
+        final = directory / f"step-{step:08d}.{revision}.dcp"
+    return final
 
 
-def one_line(error: BaseException) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+def commit_folder(tmp: Path, final: Path) -> None:
+    """Rename a completely written checkpoint folder to its unused final name."""
+    fsync_dir(tmp)
+    os.rename(tmp, final)
+    fsync_dir(final.parent)
+
+
+def publish_link(folder: Path, target: Path) -> None:
+    """Point `target` (last.pt, best.pt) at a checkpoint folder, atomically."""
+    tmp = target.with_name(f".{target.name}.link.tmp")
+    tmp.unlink(missing_ok=True)
+    os.symlink(folder.name, tmp)  # relative: the checkpoints folder may be moved or mounted elsewhere
+    os.replace(tmp, target)
+    fsync_dir(target.parent)
+
+
+def read_checkpoint(path: Path, tensors: bool) -> dict:
+    """A checkpoint folder's run state, checked as load_checkpoint checks a file; with
+    `tensors`, every tensor too, whole, on this process's CPU."""
+    if not any((path / name).exists() for name in (METADATA_FILE, RUN_STATE)):
+        raise not_ours(path, "a folder without .metadata or run_state.pt")
+    metadata = read_metadata(path / METADATA_FILE)  # refuses a hostile or torn folder before anything else is read
+    if not (path / RUN_STATE).is_file():
+        raise UnusableCheckpoint(f"checkpoint {str(path)!r} is incomplete: it has no {RUN_STATE}")
+    state = load_plain(path / RUN_STATE)
+    check_contents(path, state, tensors_inside=False)
+    check_sharded_weights(path, metadata)
+    return {**state, **load_full(path)} if tensors else state
+
+
+def check_sharded_weights(path: Path, metadata: Metadata) -> None:
+    """A sharded folder's model weights, as its metadata lists them: there, and tensors."""
+    weights = {key: value for key, value in metadata.state_dict_metadata.items() if key.startswith("model.")}
+    if not weights:
+        raise not_ours(path, "no 'model' in its .metadata")
+    for key, value in weights.items():
+        if not isinstance(value, TensorStorageMetadata):
+            raise not_ours(path, f"'model' holds {key.removeprefix('model.')!r}: not a tensor")
+
+
+def read_model_weights(path: Path) -> dict:
+    """A checkpoint folder's model weights, whole, on the CPU; the optimizer state is not read."""
+    read_checkpoint(path, tensors=False)  # refuses what is not a checkpoint of this project
+    return load_full(path, keys={"model"})["model"]
+
+
+def holds(path: Path, part: str) -> bool:
+    """Whether a checkpoint folder's metadata lists `part`'s weights ("model", "ema")."""
+    return any(key.startswith(f"{part}.") for key in read_metadata(path / METADATA_FILE).state_dict_metadata)
+
+
+def load_into(model: torch.nn.Module, path: Path, optimizer=None, part: str = "model") -> None:
+    """A checkpoint folder's `part` weights (and the optimizer's state, when given), each
+    rank reading its own shards, resharded to this run's processes. Every rank must call this."""
+    check_shapes(model, model_shapes(read_metadata(path / METADATA_FILE), part), str(path))
+    load_sharded(model, path, optimizer, part)
+
+
+def save_checkpoint(checkpointer, state, run_state: dict, is_best: bool) -> None:
+    """Every rank writes its shards of the model, the optimizer and the parts' weights
+    into a temporary folder; rank 0 adds run_state.pt and renames the folder into place
+    only when all of it is on disk. Every rank must call this."""
+    directory = checkpointer.directory
+    final = directory / f"step-{state.step:08d}.dcp"  # its name in messages
+    tmp = directory / f".{final.name}.tmp"
+    with stop_all_if_any_fails(checkpointer.device):
+        if is_main():
+            directory.mkdir(parents=True, exist_ok=True)
+            remove(tmp)  # left by a save killed midway
+    shards = sharded_state_dict(state.model, state.optimizer)
+    shards |= {part.name: part.weights() for part in state.parts if part.holds_weights}
+    try:
+        save_sharded(shards, tmp, final)  # raises on every rank alike
+        with stop_all_if_any_fails(checkpointer.device):
+            if is_main():
+                finish_folder(tmp, state.step, run_state, is_best, checkpointer.cfg.checkpoint.keep_last)
+    except BaseException:
+        if is_main():
+            remove(tmp)  # every rank has stopped writing into it
+        raise
+
+
+def finish_folder(tmp: Path, step: int, run_state: dict, is_best: bool, keep_last: int) -> None:
+    directory = tmp.parent
+    final = unused_folder_name(directory, step)
+    try:
+        atomic_write(tmp, RUN_STATE, lambda f: torch.save(run_state, f))
+        commit_folder(tmp, final)
+        publish_link(final, directory / "last.pt")
+        if is_best:
+            publish_link(final, directory / "best.pt")
+        prune(directory, keep_last)
+    except (OSError, RuntimeError) as error:
+        reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
+        raise CheckpointError(f"cannot write {str(final)!r}: {reason}") from None

@@ -27,7 +27,6 @@ from engine.divergence import NonFiniteGuard
 from engine.errors import TaskError, UsageError
 from engine.parts import Part
 from engine.precision import autocast
-from engine.sharded import sharded_state_dict
 
 FULL = StateDictOptions(full_state_dict=True)
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -81,11 +80,6 @@ class TrainState:
             **{part.name: full_on_main(part.weights()) for part in self.parts if part.holds_weights},
             **self.run_state_dict(),
         }
-
-    def sharded_state_dict(self) -> dict:
-        """This rank's shards of the model, the optimizer and the parts' weights. Every rank must call this."""
-        shards = sharded_state_dict(self.model, self.optimizer)
-        return shards | {part.name: part.weights() for part in self.parts if part.holds_weights}
 
     def run_state_dict(self) -> dict:
         """All but the weights and the optimizer: small, the same on every rank."""

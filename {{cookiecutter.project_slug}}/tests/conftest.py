@@ -33,6 +33,17 @@ from engine.config import load_config
 PROJECT = Path(__file__).resolve().parents[1]
 REFERENCE_TASK = PROJECT / "tests" / "reference_task"
 
+# FSDP is a cookiecutter answer: without it (no engine/parts/fsdp.py, no fsdp: section),
+# the tests that run under each strategy run under DDP only, and FSDP-only ones skip.
+STRATEGIES = ["ddp", "fsdp"] if (PROJECT / "engine" / "parts" / "fsdp.py").exists() else ["ddp"]
+needs_fsdp = pytest.mark.skipif("fsdp" not in STRATEGIES, reason="the project was generated without FSDP")
+
+
+def strategy_args(strategy: str) -> list[str]:
+    """The overrides that choose `strategy`: none for DDP, the default (without FSDP there is no fsdp.* key)."""
+    return ["fsdp.enabled=true"] if strategy == "fsdp" else []
+
+
 # Small and fast, for the reference task: the mlp model, tiny data, no worker processes.
 FAST = [
     "model.name=mlp",

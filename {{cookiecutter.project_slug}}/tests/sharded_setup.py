@@ -1,4 +1,4 @@
-"""Run by test_memory.py in the machinery's project, on 1 process or under torchrun:
+"""Run by test_fsdp.py in the machinery's project, on 1 process or under torchrun:
 builds the model as train.py does, takes two AdamW steps with train.py's host-memory
 setting, and saves a sharded checkpoint. Writes into the folder given first what each
 rank holds and its peak RSS above the runtime's in each phase (rank_<r>.json), its

@@ -8,7 +8,7 @@ from typing import ClassVar
 import pytest
 import torch
 
-from conftest import FAST, machinery_project, read_metrics, reference_config, reference_task, run_script
+from conftest import FAST, STRATEGIES, machinery_project, read_metrics, reference_config, reference_task, run_script
 from engine.checkpoint import (
     CHECKPOINT_FORMAT,
     Checkpointer,
@@ -27,10 +27,8 @@ from engine.checkpoint import (
 from engine.config import Config
 from engine.distributed import DistEnv
 from engine.divergence import NonFiniteGuard
-from engine.parts import fsdp
 from engine.precision import build_grad_scaler
 from engine.seeding import capture_rng_state
-from engine.sharded import load_full, load_sharded, save_sharded, sharded_state_dict
 from engine.training import TrainState
 
 MLP = reference_task().model.MLP
@@ -121,111 +119,6 @@ def test_pickle_that_runs_code_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="evil.pt"):
         load_checkpoint(evil)
     assert not marker.exists()
-
-
-def sharded_checkpoint(tmp_path, extra=None):
-    """A sharded (DCP) checkpoint of one process, with `extra` items beside model and optimizer."""
-    state, _ = make_state()
-    folder = tmp_path / "step-00000001.dcp"
-    save_sharded({**sharded_state_dict(state.model, state.optimizer), **(extra or {})}, folder, folder)
-    return state, folder
-
-
-def test_a_sharded_checkpoint_loads_whole(tmp_path):
-    state, folder = sharded_checkpoint(tmp_path)
-    loaded = load_full(folder)
-    assert all(torch.equal(loaded["model"][k], v) for k, v in state.model.state_dict().items())
-    saved_exp_avg = state.optimizer.state_dict()["state"][0]["exp_avg"]
-    assert torch.equal(loaded["optimizer"]["state"]["net.2.linear.weight"]["exp_avg"], saved_exp_avg)
-    assert loaded["optimizer"]["param_groups"][0]["lr"] == state.optimizer.param_groups[0]["lr"]
-
-
-def test_sharded_metadata_that_runs_code_is_refused(tmp_path):
-    from torch.distributed.checkpoint import FileSystemReader
-
-    marker = tmp_path / "pwned"
-    _, folder = sharded_checkpoint(tmp_path)
-    metadata = FileSystemReader(folder).read_metadata()  # our own file: safe to unpickle
-    metadata.storage_meta.modules = [RunsCode(marker)]
-    with (folder / ".metadata").open("wb") as f:
-        pickle.dump(metadata, f)
-    with pytest.raises(CheckpointError, match=r"^checkpoint '.*/\.metadata' holds code \(io\.open\); refused$"):
-        load_full(folder)
-    with pytest.raises(CheckpointError, match="holds code"):
-        load_checkpoint(folder)
-    assert not marker.exists()
-    FileSystemReader(folder).read_metadata()  # DCP's own reader runs it: the test can fail
-    assert marker.exists()
-
-
-@pytest.mark.parametrize("relative_path", ["../../etc/passwd", "/dev/zero", ".hidden"])
-def test_sharded_metadata_pointing_outside_its_folder_is_refused(tmp_path, relative_path):
-    from torch.distributed.checkpoint import FileSystemReader
-
-    _, folder = sharded_checkpoint(tmp_path)
-    metadata = FileSystemReader(folder).read_metadata()  # our own file: safe to unpickle
-    next(iter(metadata.storage_data.values())).relative_path = relative_path
-    (folder / ".metadata").write_bytes(pickle.dumps(metadata))
-    with pytest.raises(CheckpointError, match=r"points outside its folder .*; refused$"):
-        load_full(folder)
-
-
-ITEM_REFUSED = r"^checkpoint '.*' holds code or unreadable data in '{}'; refused \(io\.open\)$"
-
-
-def test_sharded_item_that_runs_code_is_refused(tmp_path):
-    marker = tmp_path / "pwned"
-    _, folder = sharded_checkpoint(tmp_path, extra={"payload": RunsCode(marker)})  # a pickled non-tensor item
-    with pytest.raises(CheckpointError, match=ITEM_REFUSED.format("payload")):
-        load_full(folder)
-    assert not marker.exists()
-
-
-def test_model_weights_alone_never_read_the_optimizer_state(tmp_path):
-    """evaluate.py and init_from load a sharded checkpoint's model only: a hostile item in
-    its optimizer state is not even read then, and refused when the optimizer is loaded."""
-    marker = tmp_path / "pwned"
-    state, folder = sharded_checkpoint(tmp_path)
-    saved = sharded_state_dict(state.model, state.optimizer)
-    saved["optimizer"]["param_groups"][0]["lr"] = RunsCode(marker)  # an item the optimizer reads
-    save_sharded(saved, folder, folder)
-    fresh, _ = make_state(seed=1)
-    load_sharded(fresh.model, folder)
-    assert all(torch.equal(fresh.model.state_dict()[k], v) for k, v in state.model.state_dict().items())
-    with pytest.raises(CheckpointError, match=ITEM_REFUSED.format(r"optimizer\.param_groups\.0\.lr")):
-        load_sharded(fresh.model, folder, fresh.optimizer)
-    assert not marker.exists()
-
-
-def test_a_folder_saved_again_at_its_step_never_replaces_the_published_one(tmp_path, capsys):
-    """An epoch's end often falls on a step checkpoint's step. The second folder gets the
-    next free name, so best.pt keeps the weights that were best; a last.pt whose folder is
-    gone is said and the next checkpoint taken, not silently skipped."""
-    state, _ = make_state()
-    cfg = reference_config(None, ["fsdp.enabled=true", "checkpoint.best_metric=val_loss", f"output_dir={tmp_path}"])
-    state.register("fsdp", fsdp.build(cfg, DistEnv()))  # its checkpoints are folders
-    checkpointer, directory = Checkpointer(cfg, DistEnv(), torch.device("cpu")), tmp_path / "checkpoints"
-    state.step = 40
-    checkpointer.save(state, {"val_loss": 1.0})  # best
-    best_weights = {k: v.clone() for k, v in state.model.state_dict().items()}
-    torch.nn.init.zeros_(state.model.net[2].linear.weight)  # other weights, at the same step
-    state.epoch = 1
-    checkpointer.save(state, {"val_loss": 2.0})  # not best
-    assert [p.name for p in step_checkpoints(directory)] == ["step-00000040.dcp", "step-00000040.1.dcp"]
-    assert (
-        os.readlink(directory / "last.pt") == "step-00000040.1.dcp"
-        and load_checkpoint(directory / "last.pt")["epoch"] == 1
-    )
-    best = load_checkpoint(directory / "best.pt")
-    assert all(torch.equal(best["model"][k], v) for k, v in best_weights.items())
-
-    shutil.rmtree(directory / "step-00000040.1.dcp")  # e.g. moved away by hand
-    found, ckpt = load_resume_checkpoint(cfg)
-    assert found == directory / "step-00000040.dcp" and ckpt["epoch"] == 0
-    assert (
-        f"warning: checkpoint '{directory / 'last.pt'}' not found; trying an older checkpoint"
-        in capsys.readouterr().out
-    )
 
 
 def test_best_checkpoint_follows_best_metric_and_mode(tmp_path):
@@ -419,6 +312,22 @@ def test_every_entry_point_refuses_other_formats_in_one_line(tmp_path, entry_poi
         assert result.returncode == 2 and one_error_line(result).startswith(f"error: checkpoint '{path}' {reason}")
 
 
+@pytest.mark.skipif("fsdp" in STRATEGIES, reason="with FSDP a folder is a checkpoint: tests/test_fsdp.py")
+@pytest.mark.parametrize("entry_point", ENTRY_POINTS)
+def test_without_fsdp_every_entry_point_refuses_a_folder_in_one_line(tmp_path, entry_point):
+    """A project generated without FSDP reads .pt files only: another project's folder of
+    shards (or any folder) is refused before anything is read."""
+    folder = tmp_path / "step-00000002.dcp"
+    folder.mkdir()
+    (folder / ".metadata").write_bytes(b"never read")
+    script, args = ENTRY_POINTS[entry_point](folder, tmp_path / "out")
+    result = run_script(script, args, check=False)
+    assert result.returncode == 2 and one_error_line(result) == (
+        f"error: checkpoint '{folder}' is a folder, and this project reads .pt files only (folders of shards "
+        "come with the fsdp answer when it is generated); use a .pt checkpoint"
+    )
+
+
 class RunsSystem:
     """A plain pickle (pickle.dumps) that would run a shell command."""
 
@@ -455,7 +364,9 @@ def test_unusable_files_are_named_for_what_they_are(tmp_path):
         "empty.pt": "is not a checkpoint of this project (an empty file)",
         "list.pt": "is not a checkpoint of this project (it holds a list, not a dict)",
         "archive.pt": "is not a checkpoint of this project (a zip archive torch.save did not write)",
-        "folder": "is not a checkpoint of this project (a folder without .metadata or run_state.pt)",
+        "folder": "is not a checkpoint of this project (a folder without .metadata or run_state.pt)"
+        if "fsdp" in STRATEGIES
+        else "is a folder, and this project reads .pt files only",
     }
     for name, reason in expected.items():
         path = tmp_path / name
@@ -466,87 +377,6 @@ def test_unusable_files_are_named_for_what_they_are(tmp_path):
         assert "weights_only" not in message and "Errno" not in message and "index" not in message
         assert_short(message, path)
     assert not (tmp_path / "pwned").exists()
-
-
-def test_metadata_of_a_newer_torch_is_named_so(tmp_path, monkeypatch):
-    """A class a newer torch's DCP has and this one lacks is not code: say which torch."""
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint import metadata as dcp_metadata
-
-    class FutureStorageMetadata:
-        pass
-
-    FutureStorageMetadata.__module__ = "torch.distributed.checkpoint.metadata"
-    FutureStorageMetadata.__qualname__ = "FutureStorageMetadata"
-    _, folder = sharded_checkpoint(tmp_path)
-    metadata = FileSystemReader(folder).read_metadata()  # our own file: safe to unpickle
-    metadata.planner_data = FutureStorageMetadata()
-    with monkeypatch.context() as patch:  # as if this torch had it, for pickle to name it
-        patch.setattr(dcp_metadata, "FutureStorageMetadata", FutureStorageMetadata, raising=False)
-        (folder / ".metadata").write_bytes(pickle.dumps(metadata))
-    with pytest.raises(CheckpointError) as caught:
-        load_checkpoint(folder)
-    assert str(caught.value) == (
-        f"checkpoint '{folder / '.metadata'}' was written by a newer torch: it names "
-        f"torch.distributed.checkpoint.metadata.FutureStorageMetadata, which torch {torch.__version__} lacks; "
-        "load it with that torch, or re-export it there"
-    )
-
-
-def two_sharded_saves(tmp_path):
-    """A sharded run's folder (1 process) at steps 2 and 4; last.pt links to step 4's."""
-    state, _ = make_state()
-    cfg = run_dir_config(tmp_path, "fsdp.enabled=true")
-    state.register("fsdp", fsdp.build(cfg, DistEnv()))  # its checkpoints are folders
-    checkpointer = Checkpointer(cfg, DistEnv(), torch.device("cpu"))
-    for step in (2, 4):
-        state.step = step
-        checkpointer.save(state)
-    return cfg, checkpointer.directory
-
-
-@pytest.mark.parametrize("damage", ["truncate", "delete", "delete_run_state"])
-def test_a_torn_shard_is_refused_and_auto_resume_takes_the_older_folder(tmp_path, capsys, damage):
-    cfg, directory = two_sharded_saves(tmp_path)
-    folder = directory / "step-00000004.dcp"
-    shard = next(folder.glob("*.distcp"))
-    if damage == "truncate":
-        size = shard.stat().st_size
-        os.truncate(shard, size // 2)
-        reason = f"is truncated: {shard.name} has {size // 2} of its {size} bytes"
-    else:
-        lost = shard if damage == "delete" else folder / "run_state.pt"
-        lost.unlink()
-        reason = f"is incomplete: it has no {lost.name}"
-    with pytest.raises(CheckpointError) as caught:
-        load_checkpoint(folder, tensors=False)
-    assert str(caught.value) == f"checkpoint '{folder}' {reason}; use another checkpoint"
-    found, ckpt = load_resume_checkpoint(cfg)
-    assert found == directory / "step-00000002.dcp" and ckpt["step"] == 2
-    assert capsys.readouterr().out == (
-        f"warning: checkpoint '{directory / 'last.pt'}' {reason}; trying an older checkpoint\n"
-    )
-
-
-def test_a_torn_shard_on_2_processes_is_one_line_or_the_older_folder(tmp_path):
-    """FSDP on 2 processes: an explicit path fails in one line (evaluate.py aborted in
-    gloo before), resume=auto continues from the intact older folder."""
-    out = tmp_path / "run"
-    args = [*FAST, "data.train_size=256", "fsdp.enabled=true", "checkpoint.every_steps=2", f"output_dir={out}"]
-    run_script("train.py", [*args, "train.stop_at_step=4"], nproc=2)
-    directory = out / "checkpoints"
-    torn = directory / os.readlink(directory / "last.pt")
-    shard = torn / "__1_0.distcp"
-    os.truncate(shard, shard.stat().st_size - 100)
-    for script, script_args in (
-        ("evaluate.py", ["--checkpoint", torn]),
-        ("train.py", [*FAST, f"output_dir={tmp_path / 'other'}", f"checkpoint.resume={torn}"]),
-    ):
-        result = run_script(script, script_args, nproc=2, check=False)
-        assert one_error_line(result).startswith(f"error: checkpoint '{torn}' is truncated: __1_0.distcp has "), script
-    resumed = run_script("train.py", [*args, "train.stop_at_step=6"], nproc=2)
-    assert f"resumed from {directory / 'step-00000002.dcp'}: epoch 0, step 2" in resumed.stdout
-    assert "is truncated: __1_0.distcp" in resumed.stdout
 
 
 def test_a_ctrl_c_during_a_save_is_a_ctrl_c_not_a_disk_error(tmp_path, monkeypatch):

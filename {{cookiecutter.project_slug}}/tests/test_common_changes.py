@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import FAST, machinery_project, read_metrics, run_script, tensors
+from conftest import FAST, STRATEGIES, machinery_project, read_metrics, run_script, strategy_args, tensors
 from engine.checkpoint import load_checkpoint
 from engine.errors import UsageError
 from engine.training import TrainState
@@ -117,12 +117,12 @@ def run_whole_and_resumed(project, tmp_path, args):
     return [load_checkpoint(out / "checkpoints" / "last.pt") for out in (whole, split)], whole, split
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 @pytest.mark.parametrize("change", list(EDITS))
 def test_a_change_in_one_user_file_trains_and_resumes_bitwise(tmp_path, change, strategy):
     name, edit = EDITS[change]
     project = project_with(tmp_path, name, edit)
-    (a, b), whole, split = run_whole_and_resumed(project, tmp_path, [*ARGS, f"fsdp.enabled={strategy == 'fsdp'}"])
+    (a, b), whole, split = run_whole_and_resumed(project, tmp_path, [*ARGS, *strategy_args(strategy)])
     assert a["step"] == b["step"] == 2 * STEPS_PER_EPOCH
     for part in ("model", "optimizer"):
         for key, value in tensors(a[part]).items():

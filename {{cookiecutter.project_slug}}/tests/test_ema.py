@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from conftest import FAST, read_metrics, run_script, tensors
+from conftest import FAST, STRATEGIES, read_metrics, run_script, strategy_args, tensors
 from engine.checkpoint import load_checkpoint
 from engine.parts.ema import WeightEMA
 
@@ -47,10 +47,10 @@ def test_the_average_follows_the_weights_until_the_start_step_then_decays():
     assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in kept.items())  # back, exactly
 
 
-@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_resumed_run_ends_with_the_same_average_and_reports_and_evaluates_it(tmp_path, strategy):
     whole, split = tmp_path / "whole", tmp_path / "split"
-    args = [*ARGS, f"fsdp.enabled={strategy == 'fsdp'}"]
+    args = [*ARGS, *strategy_args(strategy)]
     run_script("train.py", [*args, f"output_dir={whole}"], nproc=2)
     run_script("train.py", [*args, f"output_dir={split}", f"train.stop_at_step={STEPS_PER_EPOCH + 3}"], nproc=2)
     assert "resumed from" in run_script("train.py", [*args, f"output_dir={split}"], nproc=2).stdout

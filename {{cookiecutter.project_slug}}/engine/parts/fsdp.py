@@ -7,8 +7,8 @@ on the meta device (no memory), every rank shards the empty structure per block
 (model.py's BLOCKS), and each tensor then goes from rank 0 to the shards one at a time.
 What remains: rank 0 holds one full copy in host RAM during setup (the other ranks none),
 and every rank one full tensor at a time. Weights the model ties (an output layer sharing
-its embedding's) stay tied on every rank. Checkpoints are sharded folders
-(engine/sharded.py) on any number of processes: one kind per run.
+its embedding's) stay tied on every rank. Checkpoints are folders of every rank's shards
+(engine/sharded.py, this part's FOLDERS) on any number of processes: one kind per run.
 """
 
 from collections.abc import Callable
@@ -20,12 +20,14 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from engine import sharded
 from engine.distributed import DistEnv, is_main, stop_all_if_any_fails
 from engine.errors import TaskError
 from engine.parallel import prepare_modules
 from engine.parts import Part
 from engine.precision import AMP_DTYPES
 
+FOLDERS = sharded  # reads and writes checkpoint folders, for any run of this project (DDP resumes them too)
 FROM_RANK_0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
 
 

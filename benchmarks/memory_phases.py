@@ -82,7 +82,7 @@ def main(out: str, overrides: list[str]) -> None:
     train_loader, _, state = train.load_train_objs(cfg, env, device, checkpointer, parts)
     row["setup_peak_mib"] = status_mib("VmHWM")
     stop = StopRequest(cfg.dist.timeout_minutes, cfg.train.stop_at_step).install(env.launcher)
-    set_host_allocator(sharded=sharded)  # as train.py, after setup
+    set_host_allocator(parts)  # as train.py, after setup
     reset_peak()
     train.train_one_epoch(state, train_loader, cfg, stop, checkpointer, QuietLog())
     row["step_peak_mib"] = status_mib("VmHWM")

@@ -56,7 +56,7 @@ def main(argv=None) -> None:
     cfg = load_config(args.config, args.overrides, base=ckpt.get("config"), **sections)
     env, device = init_distributed_mode(cfg.dist)
     parts = build_parts(cfg, env)  # e.g. FSDP, which builds the model sharded
-    set_host_allocator(sharded=any(part.shards_model for part in parts))  # as train.py does, before the model is built
+    set_host_allocator(parts)  # as train.py does, before the model is built
     try:
         prepare_on_node_leaders(prepare_data, cfg, env, device)  # one writer per node at a time
         with stop_all_if_any_fails(device):

@@ -65,9 +65,9 @@ def main(argv=None) -> None:
         return
     env, device = init_distributed_mode(cfg.dist, Path(cfg.output_dir) / "flight_recorder")
     parts = build_parts(cfg, env)  # the optional features the config turns on (engine/parts)
-    # What each step frees: kept, or given back (FSDP). Set before the model is built: glibc's
-    # defaults would keep in the heap what FSDP's setup frees, a full tensor at a time.
-    set_host_allocator(sharded=any(part.shards_model for part in parts))
+    # What each step frees: kept for the next, or given back where a part says so (FSDP). Set
+    # before the model is built, so that what setup frees is handled the same way.
+    set_host_allocator(parts)
     lock, loaders = None, ()
     try:
         with stop_all_if_any_fails(device):

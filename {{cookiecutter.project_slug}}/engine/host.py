@@ -6,11 +6,10 @@ import gc
 import os
 import platform
 
-# glibc's mallopt() parameters, and the values the training steps run with (set_host_allocator).
+# glibc's mallopt() parameters, and the values the training steps run with (set_host_allocator):
+# blocks up to 256 MiB come from the heap, and up to 512 MiB of free memory stays at its top.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-HEAP_BLOCKS_UP_TO = 256 * 2**20  # blocks up to this size come from the heap, not their own mmap
-KEEP_FREE_AT_HEAP_TOP = 512 * 2**20  # free memory kept at the heap's top, not given back
-OWN_MMAP_ABOVE = 128 * 2**10  # under FSDP: glibc's initial threshold, fixed (it no longer rises)
+STEPS_REUSE_FREED = {M_MMAP_THRESHOLD: 256 * 2**20, M_TRIM_THRESHOLD: 512 * 2**20}
 # The same settings made at launch, which win: variables, and names in GLIBC_TUNABLES.
 SETTINGS = ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")
 LAUNCH_VARIABLES = [f"MALLOC_{name.upper()}_" for name in SETTINGS]
@@ -68,37 +67,23 @@ def freeze_setup_objects() -> None:
     gc.freeze()
 
 
-def set_host_allocator(sharded: bool) -> bool:
-    """Fix glibc's allocator thresholds for the training steps. Returns whether it was
-    set: not where the launch set it, nor with another C library.
+def set_host_allocator(parts=()) -> bool:
+    """Fix glibc's allocator thresholds for the training steps: a part's own settings
+    (`Part.host_allocator`, e.g. FSDP's), else STEPS_REUSE_FREED. Returns whether they
+    were set: not where the launch set them, nor with another C library.
 
     With glibc's defaults, a block above an adaptive threshold (at most 32 MiB) gets its
     own mmap and goes back to the kernel when freed, and the threshold rises to the size
-    of each such block freed. Both settings below fix it, so it stops moving.
-    - DDP, one process: blocks up to 256 MiB come from the heap and stay there when
-      freed (up to 512 MiB at the heap's top). A step frees and allocates the same
-      activations every time; with the defaults each CPU step page-faulted them in anew,
-      about 31,000 faults per ResNet-18 step (batch 32), 5% of its time.
-    - FSDP (`sharded`): blocks above glibc's initial 128 KiB get their own mmap and go
-      back when freed. Each block's parameters are gathered whole and its gradients
-      made whole for every use, then freed, in blocks of every size: kept in the heap,
-      they fragment it and the sharding's saving is lost. Measured on a 101M-parameter
-      MLP of 24 blocks with AdamW on 2 CPU processes, the step's peak RSS per rank was
-      1,590 MiB with this, 2,827-3,172 with glibc's defaults and 3,147-3,347 with the
-      DDP setting (DDP itself: 2,443-2,531 with its setting, 2,397 with this one).
-    On a GPU the step's tensors are in CUDA's caching allocator, which keeps what it
-    frees; the host heap still holds the batches that `num_workers=0` collates in this
-    process, and workers started later inherit the setting.
+    of each such block freed. Fixing it stops it moving. A step frees and allocates the
+    same activations every time: with the defaults each CPU step page-faulted them in
+    anew, about 31,000 faults per ResNet-18 step (batch 32), 5% of its time. On a GPU the
+    step's tensors are in CUDA's caching allocator, which keeps what it frees; the host
+    heap still holds the batches that `num_workers=0` collates in this process, and
+    workers started later inherit the setting.
 
-    Call it before setup, as soon as the strategy is known: with glibc's defaults the
-    threshold rises with the first large block freed, and FSDP's setup frees one full
-    tensor after another on every rank (each received whole from rank 0, then cut to its
-    shard). They then stay in a fragmented heap: with a 12-block MLP of 49 MiB on 2 CPU
-    processes, rank 1 held 2.3-2.7x the weights above its start when its first step
-    began, 0.52x (its half, and the rest) with the setting made first. Under DDP what
-    setup frees is kept too (up to 512 MiB at the heap's top), for the steps to reuse.
-    The same settings made at launch (MALLOC_TRIM_THRESHOLD_ etc., or in GLIBC_TUNABLES)
-    win, and other C libraries are left alone.
+    Call it before setup, as soon as the parts are known: what setup frees is then kept
+    too (up to 512 MiB at the heap's top), for the steps to reuse. The same settings
+    made at launch (MALLOC_TRIM_THRESHOLD_ etc., or in GLIBC_TUNABLES) win.
     """
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     if any(name in os.environ for name in LAUNCH_VARIABLES) or any(name in tunables for name in TUNABLES):
@@ -106,8 +91,5 @@ def set_host_allocator(sharded: bool) -> bool:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)  # the C library this process already runs on
-    if sharded:
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, OWN_MMAP_ABOVE))
-    return bool(
-        libc.mallopt(M_MMAP_THRESHOLD, HEAP_BLOCKS_UP_TO) and libc.mallopt(M_TRIM_THRESHOLD, KEEP_FREE_AT_HEAP_TOP)
-    )
+    settings = next((part.host_allocator for part in parts if part.host_allocator), STEPS_REUSE_FREED)
+    return all([libc.mallopt(parameter, value) for parameter, value in settings.items()])

@@ -78,7 +78,7 @@ def main(out: Path, overrides: list[str], deep_mlp: bool) -> None:
         torch.save(weights, out / "weights.pt")
     torch.save(dict(model.named_buffers()), out / f"buffers_{env.rank}.pt")
     del weights
-    set_host_allocator(sharded=any(part.shards_model for part in parts))  # as train.py does
+    set_host_allocator(parts)  # as train.py does
     peaks.end()  # the weights gathered for the test
     optimizer = build_optimizer(model, cfg, env.world_size, {})
     for _ in range(2):

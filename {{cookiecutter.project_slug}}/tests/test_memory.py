@@ -9,7 +9,7 @@ import resource
 import pytest
 import torch
 
-from conftest import FAST, machinery_project, read_metrics, reference_task, run_script
+from conftest import FAST, STRATEGIES, machinery_project, read_metrics, reference_task, run_script
 from engine.host import freeze_setup_objects
 from engine.parallel import checkpoint_activations
 
@@ -51,7 +51,12 @@ from engine.host import set_host_allocator
 torch.manual_seed(0)
 layer = torch.nn.Conv2d(3, 16, 3, padding=1)
 images = torch.randn(32, 3, 128, 128)  # activations of 32 MiB: above glibc's largest adaptive threshold
-applied = set_host_allocator(sharded=sys.argv[1] == "fsdp") if sys.argv[1] in ("ddp", "fsdp") else None
+if sys.argv[1] == "fsdp":
+    from engine.parts.fsdp import Fsdp
+    from engine.distributed import DistEnv
+    applied = set_host_allocator([Fsdp(DistEnv(world_size=2))])
+else:
+    applied = set_host_allocator() if sys.argv[1] == "ddp" else None
 faults = []
 for step in range(12):
     before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
@@ -62,16 +67,18 @@ print(json.dumps({"applied": applied, "faults": faults}))
 ACTIVATION_PAGES = 32 * 16 * 128 * 128 * 4 // resource.getpagesize()  # one activation tensor, in pages
 
 
+ALLOCATOR_CASES = [
+    ("ddp", {}, True, True),
+    ("glibc defaults", {}, None, False),  # the control: without the setting, steps fault
+    ("fsdp", {}, True, False),  # large blocks go back when freed: no fragmented heap under FSDP
+    ("ddp", {"MALLOC_TRIM_THRESHOLD_": "131072"}, False, False),  # set at launch: it wins
+    ("ddp", {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}, False, False),
+]
+
+
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="a glibc setting")
 @pytest.mark.parametrize(
-    "mode, launch_env, applied, reused",
-    [
-        ("ddp", {}, True, True),
-        ("glibc defaults", {}, None, False),  # the control: without the setting, steps fault
-        ("fsdp", {}, True, False),  # large blocks go back when freed: no fragmented heap under FSDP
-        ("ddp", {"MALLOC_TRIM_THRESHOLD_": "131072"}, False, False),  # set at launch: it wins
-        ("ddp", {"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=131072"}, False, False),
-    ],
+    "mode, launch_env, applied, reused", [case for case in ALLOCATOR_CASES if case[0] != "fsdp" or "fsdp" in STRATEGIES]
 )
 def test_ddp_steps_reuse_freed_host_memory_fsdp_steps_give_it_back(tmp_path, mode, launch_env, applied, reused):
     script = tmp_path / "step_faults.py"
@@ -110,7 +117,7 @@ HEAP_FIGURES = """
 import json, torch
 from engine.host import c_heap_mib, set_host_allocator
 
-set_host_allocator(sharded=False)
+set_host_allocator()
 before = c_heap_mib()
 held = [torch.ones(2**20) for _ in range(64)]  # 256 MiB of tensor storage in 4 MiB blocks
 holding = c_heap_mib()

@@ -22,6 +22,7 @@ class Part:
     name = ""  # its config section, and its entry in checkpoints
     shards_model = False  # the model's tensors are split across processes (FSDP)
     saves_sharded = False  # checkpoints are folders of every rank's shards
+    host_allocator: dict[int, int] = {}  # glibc mallopt() settings the steps need instead of engine/host.py's
 
     # Set-up
     def prepare_model(self, model: nn.Module) -> nn.Module:

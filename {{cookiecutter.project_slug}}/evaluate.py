@@ -2,8 +2,8 @@
 
   python evaluate.py --checkpoint runs/default/checkpoints/best.pt
   torchrun --nproc_per_node=4 evaluate.py --checkpoint PATH [--config FILE] [section.key=value ...]
-  python evaluate.py --checkpoint PATH --weights ema      a part's set of weights (the EMA's: ema.decay)
-
+{% if cookiecutter.ema %}  python evaluate.py --checkpoint PATH --weights ema      a part's set of weights (the EMA's: ema.decay)
+{% endif %}
 The model and data settings come from the checkpoint's own config unless --config is
 given; key=value overrides apply on top (e.g. train.num_workers=0).
 """
@@ -38,7 +38,7 @@ from recipe import OptimConfig
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="checkpoint: a .pt file, or a sharded checkpoint's folder")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint: a .pt file{% if cookiecutter.fsdp %}, or a sharded checkpoint's folder{% endif %}")
     parser.add_argument("--config", default=None, help="YAML config (default: the checkpoint's)")
     parser.add_argument("--weights", default="model", help="which weights: model (default), or a part's, e.g. ema")
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
@@ -50,18 +50,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     # Settings and position only: the weights are read below, and never the optimizer state
-    # of a sharded checkpoint.
+    # of a checkpoint folder.
     ckpt = load_checkpoint(args.checkpoint, tensors=False)
     sections = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig}
     cfg = load_config(args.config, args.overrides, base=ckpt.get("config"), **sections)
     env, device = init_distributed_mode(cfg.dist)
-    parts = build_parts(cfg, env)  # e.g. FSDP, which builds the model sharded
+    parts = build_parts(cfg, env)  # the optional features the config turns on, as in train.py
     set_host_allocator(parts)  # as train.py does, before the model is built
     try:
         prepare_on_node_leaders(prepare_data, cfg, env, device)  # one writer per node at a time
         with stop_all_if_any_fails(device):
             _, val_set = build_datasets(cfg)
-        # Under FSDP sharded as in training (no full copy on any device), else a replica.
+        # As in training: as a part builds it (sharded, no full copy on any device), else a replica.
         model = build_for_evaluation(lambda: build_model(cfg), cfg, env, device, BLOCKS, parts)
         load_weights(model, Path(args.checkpoint), ckpt, part=args.weights)
         # Its workers end with the `with`, before the process group does.

@@ -2,10 +2,11 @@
 
   python export.py --checkpoint runs/default/checkpoints/best.pt --out model.pt
 
-Takes either kind of checkpoint: a .pt file, or the folder an FSDP run saves. It runs in
+{% if cookiecutter.fsdp %}Takes either kind of checkpoint: a .pt file, or the folder an FSDP run saves. It runs in
 one process and holds the whole model in host memory (never the optimizer state of a
 folder, which it does not read); started under torchrun, rank 0 alone writes. Load the
-result into the model you train:
+result into the model you train:{% else %}It runs in one process and holds the whole model in host memory; started under torchrun,
+rank 0 alone writes. Load the result into the model you train:{% endif %}
 
   model = build_model(cfg)
   model.load_state_dict(torch.load("model.pt", weights_only=True))
@@ -24,7 +25,7 @@ from engine.logs import report_errors
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="checkpoint: a .pt file, or a sharded checkpoint's folder")
+    parser.add_argument("--checkpoint", required=True, help="checkpoint: a .pt file{% if cookiecutter.fsdp %}, or a sharded checkpoint's folder{% endif %}")
     parser.add_argument("--out", required=True, help="the weights file to write (must not exist yet)")
     return parser.parse_args(argv)
 

@@ -20,17 +20,14 @@ TASK_FILES = {"model.py", "data.py", "config.yaml", "README.md", "pyproject.toml
 SUITE_PARTS = {
     "faults": ["test_faults.py"],
     "task and exactness": ["test_task.py", "test_exactness.py", "test_data.py", "test_config.py"],
-    "memory and training": [
-        "test_memory.py",
+    "training and launch": [
         "test_train.py",
         "test_task_interface.py",
         "test_launch.py",
         "test_entry_points.py",
         "test_launcher.py",
-        "test_fsdp.py",
-        "test_fsdp_tied.py",
-        "test_common_changes.py",
     ],
+    "memory and fsdp": ["test_memory.py", "test_fsdp.py", "test_fsdp_tied.py", "test_common_changes.py"],
     "daily loop and units": [
         "test_trackers.py",
         "test_tensorboard.py",

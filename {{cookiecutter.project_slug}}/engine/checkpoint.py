@@ -132,9 +132,14 @@ def save_checkpoint(state: dict, directory: Path, step: int, keep_last: int, is_
             publish(path, directory / "best.pt")
         prune(directory, keep_last)
     except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
-        reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
-        raise CheckpointError(f"cannot write {str(path)!r}: {reason}") from None
+        raise write_failed(path, error) from None
     return path
+
+
+def write_failed(path: Path, error: OSError | RuntimeError) -> CheckpointError:
+    """One line for a checkpoint that could not be written: the system's reason (e.g. "No
+    space left on device"), else the error's first line."""
+    return CheckpointError(f"cannot write {str(path)!r}: {getattr(error, 'strerror', None) or one_line(error)}")
 
 
 def atomic_write(directory: Path, name: str, write) -> None:
@@ -503,7 +508,7 @@ class Checkpointer:
         keep_last = self.cfg.checkpoint.keep_last
         try:
             if any(part.saves_sharded for part in state.parts):  # folders on any number of processes: one kind per run
-                folders(self.directory).save_checkpoint(self, state, {**state.run_state_dict(), **run}, is_best)
+                folders(self.directory).save_folder(self, state, {**state.run_state_dict(), **run}, is_best)
                 return
             payload = {**state.state_dict(), **run}
             with stop_all_if_any_fails(self.device):

@@ -11,7 +11,7 @@ and pruning spares the folders they point to. A folder is written to
 the metadata and run_state.pt are on disk; it is never replaced: a step saved again gets
 the next free name, step-N.1.dcp. engine/checkpoint.py finds this module through the
 part's FOLDERS and calls read_checkpoint, read_model_weights, holds, load_into and
-save_checkpoint.
+save_folder.
 
 Reading runs no code from the files. DCP's FileSystemReader unpickles `.metadata` with a
 plain `pickle.load`, and its default planner loads non-tensor items (the optimizer's
@@ -53,6 +53,7 @@ from engine.checkpoint import (
     refused_global,
     remove,
     torch_lacks,
+    write_failed,
     written_by_newer_torch,
 )
 from engine.distributed import is_main, stop_all_if_any_fails
@@ -365,7 +366,7 @@ def load_into(model: torch.nn.Module, path: Path, optimizer=None, part: str = "m
     load_sharded(model, path, optimizer, part)
 
 
-def save_checkpoint(checkpointer, state, run_state: dict, is_best: bool) -> None:
+def save_folder(checkpointer, state, run_state: dict, is_best: bool) -> None:
     """Every rank writes its shards of the model, the optimizer and the parts' weights
     into a temporary folder; rank 0 adds run_state.pt and renames the folder into place
     only when all of it is on disk. Every rank must call this."""
@@ -400,5 +401,4 @@ def finish_folder(tmp: Path, step: int, run_state: dict, is_best: bool, keep_las
             publish_link(final, directory / "best.pt")
         prune(directory, keep_last)
     except (OSError, RuntimeError) as error:
-        reason = getattr(error, "strerror", None) or str(error).strip().splitlines()[0]
-        raise CheckpointError(f"cannot write {str(final)!r}: {reason}") from None
+        raise write_failed(final, error) from None

@@ -17,7 +17,8 @@ it, linearly for SGD (Goyal et al. 2017), by the square root for AdamW, whose st
 normalised per coordinate (Malladi et al. 2022). A warmup over optim.warmup_epochs starts
 every run gently, which large scaled rates need. The schedule advances once per optimizer
 step, with warmup and decay in epochs, so the curve over the epochs is the same whatever
-the world size or accumulation.
+the world size or accumulation; a run counted in steps (train.max_steps) decays over its
+steps, and a stream, which has no epochs, warms up over optim.warmup_steps.
 """
 
 import math
@@ -27,7 +28,7 @@ from typing import Literal
 import torch
 import torch.nn as nn
 
-from engine import check_at_most, check_positive, effective_batch
+from engine import ConfigError, check_at_most, check_positive, effective_batch
 
 # Below this many steps per epoch, the effective batch is a large share of the data: the
 # scaled lr has too few updates to work with (seen here: 2 steps per epoch diverge).
@@ -44,6 +45,7 @@ class OptimConfig:
     weight_decay: float = 5e-4  # not applied to biases and norm weights (1-D parameters)
     schedule: Literal["cosine", "step", "constant"] = "cosine"  # advanced per optimizer step
     warmup_epochs: float = 1.0  # lr rises linearly from near 0 over this many epochs: a steady start
+    warmup_steps: int | None = None  # the warmup in optimizer steps instead (a stream has no epochs)
     step_every_epochs: int = 30  # step schedule: multiply lr by step_gamma this often
     step_gamma: float = 0.1  # step schedule only
 
@@ -53,6 +55,8 @@ class OptimConfig:
         for key in ("momentum", "weight_decay", "warmup_epochs"):
             check_positive(f"optim.{key}", getattr(self, key), allow_zero=True)
         check_at_most("optim.warmup_epochs", self.warmup_epochs, 10**6)
+        if self.warmup_steps is not None:
+            check_positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
 
 
 def build_optimizer(model: nn.Module, cfg, world_size: int, joins_later: dict[str, int]) -> torch.optim.Optimizer:
@@ -74,8 +78,10 @@ def build_optimizer(model: nn.Module, cfg, world_size: int, joins_later: dict[st
     return torch.optim.AdamW(groups, lr=lr)
 
 
-def build_scheduler(optimizer: torch.optim.Optimizer, cfg, steps_per_epoch: int):
-    """Each group's lr: base lr x lr_factor, from the group's first step."""
+def build_scheduler(optimizer: torch.optim.Optimizer, cfg, steps_per_epoch: int | None):
+    """Each group's lr: base lr x lr_factor, from the group's first step. `steps_per_epoch`
+    is None for a stream."""
+    check_stream_settings(cfg, steps_per_epoch)
 
     def factor_from(first_step: int):
         return lambda step: lr_factor(step, cfg, steps_per_epoch, first_step)
@@ -93,8 +99,25 @@ def scaled_lr(cfg, world_size: int) -> float:
     return optim.lr * (ratio if optim.name == "sgd" else math.sqrt(ratio))
 
 
-def warmup_steps(optim: OptimConfig, steps_per_epoch: int) -> int:
+def check_stream_settings(cfg, steps_per_epoch: int | None) -> None:
+    """A stream's epochs have no length known ahead: the schedule must not count in them."""
+    if steps_per_epoch is not None:
+        return
+    if cfg.optim.warmup_steps is None:
+        raise ConfigError("the training set is a stream, whose epochs have no known length; set optim.warmup_steps")
+    if cfg.optim.schedule == "step":
+        raise ConfigError("optim.schedule=step counts epochs, which a stream has no length for; use cosine or constant")
+
+
+def warmup_steps(optim: OptimConfig, steps_per_epoch: int | None) -> int:
+    if optim.warmup_steps is not None:
+        return optim.warmup_steps
     return round(optim.warmup_epochs * steps_per_epoch)
+
+
+def total_steps(cfg, steps_per_epoch: int | None) -> int:
+    """The run's length in optimizer steps: train.max_steps, else its epochs'."""
+    return cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
 
 
 def lr_factor(step: int, cfg, steps_per_epoch: int, first_step: int = 0) -> float:
@@ -110,7 +133,7 @@ def lr_factor(step: int, cfg, steps_per_epoch: int, first_step: int = 0) -> floa
     elif optim.schedule == "step":
         factor = optim.step_gamma ** (step // (optim.step_every_epochs * steps_per_epoch))
     else:
-        total = max(1, cfg.train.epochs * steps_per_epoch - warmup)
+        total = max(1, total_steps(cfg, steps_per_epoch) - warmup)
         factor = 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / total)))
     if first_step:
         since = step - first_step
@@ -118,7 +141,7 @@ def lr_factor(step: int, cfg, steps_per_epoch: int, first_step: int = 0) -> floa
     return factor
 
 
-def describe(cfg, world_size: int, steps_per_epoch: int) -> str:
+def describe(cfg, world_size: int, steps_per_epoch: int | None) -> str:
     """How the run's lr came about, for its opening log line."""
     optim = cfg.optim
     lr = f"lr {scaled_lr(cfg, world_size):.4g}"
@@ -130,6 +153,6 @@ def describe(cfg, world_size: int, steps_per_epoch: int) -> str:
             f"({rule} rule; optim.scale_lr=false takes optim.lr as is)"
         )
     line = f"{lr}, warmup {warmup_steps(optim, steps_per_epoch)} steps, {optim.schedule} schedule"
-    if steps_per_epoch < FEW_STEPS:
+    if steps_per_epoch is not None and steps_per_epoch < FEW_STEPS:
         line += f"; only {steps_per_epoch} steps per epoch: a smaller effective batch or more epochs train better"
     return line

@@ -91,16 +91,14 @@ def main(argv=None) -> None:
                 part.start(state)
 
             freeze_setup_objects()  # no full garbage collection pauses inside the steps
-            while state.epoch < cfg.train.epochs and not state.stop_reason():
+            stats = EpochStats(state.device)  # the losses since the last evaluation
+            while not run_done(state, cfg) and not state.stop_reason():
                 if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
                     seed_everything(derive_seed(cfg.seed, env.rank, state.epoch))
                 rng_restored = False
                 if any([part.start_epoch(state) for part in state.parts]):  # e.g. parameters unfrozen
                     state.train_model = wrap_again(state.model, cfg, env, device)
-                train_metrics, finished = train_one_epoch(state, train_loader, cfg, stop, checkpointer, run_log)
-                if finished:  # and then evaluated and saved, unless a stop came during the evaluation
-                    finished = end_epoch(state, val_loader, cfg, stop, checkpointer, run_log, train_metrics)
-                if not finished:
+                if not train_one_epoch(state, loaders, cfg, stop, checkpointer, run_log, stats):
                     started = time.monotonic()  # the save's time: what a stop needs before a time limit
                     checkpointer.save(state)
                     run_log.log(
@@ -174,10 +172,12 @@ def start_run_log(cfg, env, state: TrainState, train_loader, val_loader) -> RunL
     with stop_all_if_any_fails(state.device):
         if is_main():
             save_config(cfg, Path(cfg.output_dir) / "config.yaml")
+            stream = state.steps_per_epoch is None
+            train = "streamed" if stream else f"{len(train_loader.dataset)}"
+            length = f"{cfg.train.max_steps} steps" if stream else f"{state.steps_per_epoch} steps/epoch"
             log(
                 f"training on {env.world_size} process(es), {state.device.type}, {state.wrapping}; "
-                f"{len(train_loader.dataset)} train / {len(val_loader.dataset)} val samples; effective batch "
-                f"{per_step}; {state.steps_per_epoch} steps/epoch"
+                f"{train} train / {len(val_loader.dataset)} val samples; effective batch {per_step}; {length}"
             )
             log(recipe.describe(cfg, env.world_size, state.steps_per_epoch))
             run_log = RunLog(cfg, per_step, state.step, state.parts)  # and the parts' records, e.g. trackers
@@ -210,15 +210,36 @@ def evaluate_model(state: TrainState, val_loader, cfg, max_batches, stop: StopRe
     )
 
 
-def train_one_epoch(state: TrainState, loader, cfg, stop: StopRequest, checkpointer: Checkpointer, run_log):
-    """Train from `state.batches_done` to the end of `state.epoch`. Returns the epoch's
-    train metrics, and whether the epoch finished (False: a stop was requested)."""
-    loader.sampler.set_epoch(state.epoch, start_batch=state.batches_done)
-    progress = run_log.progress(state.epoch, state.steps_per_epoch, state.batches_done // state.accum_steps)
-    stats = EpochStats(state.device)
+def run_done(state: TrainState, cfg) -> bool:
+    """Whether the run has its length, and its last evaluation: train.max_steps steps if
+    set, else train.epochs epochs."""
+    last = cfg.train.max_steps
+    if not last:
+        return state.epoch >= cfg.train.epochs
+    return state.step > last or (state.step == last and state.evaluated_step == last)
+
+
+def evaluation_due(state: TrainState, cfg) -> bool:
+    """Within an epoch: every train.eval_every_steps steps, and at train.max_steps."""
+    every, last = cfg.train.eval_every_steps, cfg.train.max_steps
+    return state.step > 0 and ((every and state.step % every == 0) or state.step == last)
+
+
+def train_one_epoch(state: TrainState, loaders, cfg, stop: StopRequest, checkpointer, run_log, stats) -> bool:
+    """Train from `state.batches_done` to the end of `state.epoch`, or of the run, evaluating
+    where due (`stats`: the losses since the last evaluation). False if a stop was requested."""
+    train_loader, val_loader = loaders
+    if evaluation_due(state, cfg) and state.evaluated_step != state.step:  # a stop came during it
+        if not evaluate_and_save(state, val_loader, cfg, stop, checkpointer, run_log, stats):
+            return False
+        if run_done(state, cfg) or state.stop_reason():
+            return True
+    train_loader.set_epoch(state.epoch, start_batch=state.batches_done)
+    total = state.steps_per_epoch  # None for a stream
+    progress = run_log.progress(state.epoch, total, state.batches_done // state.accum_steps)
     state.train_model.train()
     try:
-        for batch in loader:
+        for batch in train_loader:
             batch = move_to_device(batch, state.device, memory_format(cfg))
             losses = forward_backward(state, batch, training_step, cfg.train.precision)  # the task's loss, backward
             stats.add(losses)
@@ -228,40 +249,55 @@ def train_one_epoch(state: TrainState, loader, cfg, stop: StopRequest, checkpoin
             stats.step_done()
             progress.update(state.step, losses["loss"], state.scheduler.get_last_lr()[0])
             if stop.requested(state.step):  # a signal to any rank, or train.stop_at_step
-                return stats.summary(cfg.train.batch_size), False
+                return False
             if state.step % cfg.train.log_every_steps == 0:
                 state.guard.check_later()  # a NaN stops every rank an interval later, or at the next save
-            checkpointer.save_if_due(state)  # every checkpoint.every_steps
+            if not evaluation_due(state, cfg):
+                checkpointer.save_if_due(state)  # every checkpoint.every_steps
+                continue
+            if not evaluate_and_save(state, val_loader, cfg, stop, checkpointer, run_log, stats):
+                return False
+            if run_done(state, cfg) or state.stop_reason():
+                return True
+            state.train_model.train()
     finally:
         progress.close()
-    return stats.summary(cfg.train.batch_size), True
+    if cfg.train.eval_every_steps:  # the epoch's end is no evaluation of its own
+        state.finish_epoch()
+        return True
+    return evaluate_and_save(state, val_loader, cfg, stop, checkpointer, run_log, stats, epoch_end=True)
 
 
-def end_epoch(state: TrainState, val_loader, cfg, stop: StopRequest, checkpointer, run_log, train_metrics) -> bool:
-    """Evaluate the epoch's model, write the epoch's row, save it (best.pt too if it is
-    the best so far). Every rank must call this. False if a stop came during the
-    evaluation: then the state is as before it (RNG too), for a checkpoint from which the
-    next run evaluates the epoch again."""
+def evaluate_and_save(state, val_loader, cfg, stop, checkpointer, run_log, stats, epoch_end=False) -> bool:
+    """Evaluate the model, write its metrics row, save it (best.pt too if it is the best
+    so far). Every rank must call this. False if a stop came during the evaluation: then
+    the state is as before it, for a checkpoint from which the next run evaluates again.
+    The RNG is put back as it was: how often the run evaluates changes nothing of its training."""
+    train_metrics = stats.summary(cfg.train.batch_size)  # before the evaluation: its time is not training's
     start = time.perf_counter()
     rng = capture_rng_state()
     val_metrics = evaluate_weights(state, val_loader, cfg, stop=stop)
+    restore_rng_state(rng)
     if val_metrics is None:
-        restore_rng_state(rng)
-        run_log.log(f"the evaluation of epoch {state.epoch} stopped; the next run evaluates it again")
+        which = f"of epoch {state.epoch}" if epoch_end else f"at step {state.step}"
+        run_log.log(f"the evaluation {which} stopped; the next run evaluates it again")
         return False
     row = {"epoch": state.epoch, "step": state.step, **train_metrics, **val_metrics}
     for part in state.parts:
         row |= part.epoch_figures(state)  # e.g. every rank's memory
     # outside_train_s: the evaluation's time, and the parts' (e.g. the memory report's).
     row |= {"lr": state.scheduler.get_last_lr()[0], "outside_train_s": time.perf_counter() - start}
-    # The row before the checkpoint: if the save fails, the next run does the epoch again
-    # from the previous checkpoint and rewinds metrics.jsonl to it (RunLog).
+    # The row before the checkpoint: if the save fails, the next run trains again from the
+    # previous checkpoint and rewinds metrics.jsonl to it (RunLog).
     with stop_all_if_any_fails(state.device):
         run_log.write_epoch(row)
     for part in state.parts:
         part.after_evaluation(state, val_metrics)  # before the save, which keeps e.g. early stopping's count
-    state.finish_epoch()
+    state.evaluated_step = state.step
+    if epoch_end:
+        state.finish_epoch()
     checkpointer.save(state, val_metrics)  # best.pt by checkpoint.best_metric
+    stats.reset()
     return True
 
 

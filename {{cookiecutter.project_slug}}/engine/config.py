@@ -40,7 +40,8 @@ from engine.files import write_text_whole
 
 @dataclass
 class TrainConfig:
-    epochs: int = 10
+    epochs: int = 10  # the run's length, unless max_steps is set
+    max_steps: int = 0  # the run's length in optimizer steps instead of epochs (a stream needs it); 0 = epochs
     batch_size: int = 64  # per process; effective = batch_size x processes x accum_steps
     accum_steps: int = 1  # gradient accumulation: micro-batches per optimizer step
     grad_clip: float = 5.0  # max gradient norm: a guard against rare spikes, not a limit on normal steps; 0 = off
@@ -53,13 +54,14 @@ class TrainConfig:
     sanity_check: bool = True  # before training: validation_step and the metrics on 2 batches per process
     num_workers: int = 2  # DataLoader worker processes per process
     log_every_steps: int = 10
+    eval_every_steps: int = 0  # evaluate, write a metrics row and save every N steps; 0 = at each epoch's end
     stop_at_step: int = 0  # stop with a checkpoint at this optimizer step; 0 = run all epochs
     deterministic: bool = False  # torch.use_deterministic_algorithms
 
     def __post_init__(self):
         for key in ("epochs", "batch_size", "accum_steps", "eval_batch_size", "log_every_steps"):
             check_positive(f"train.{key}", getattr(self, key))
-        for key in ("grad_clip", "max_bad_steps", "stop_at_step", "num_workers"):
+        for key in ("max_steps", "eval_every_steps", "grad_clip", "max_bad_steps", "stop_at_step", "num_workers"):
             check_positive(f"train.{key}", getattr(self, key), allow_zero=True)
         check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
 

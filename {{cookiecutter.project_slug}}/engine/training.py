@@ -45,13 +45,14 @@ class TrainState:
     guard: NonFiniteGuard  # stops the run when gradients become non-finite
     device: torch.device  # where the model lives (not saved)
     accum_steps: int = 1  # micro-batches per optimizer step (from the config: not saved)
-    steps_per_epoch: int = 1  # optimizer steps per epoch (from the data: not saved)
+    steps_per_epoch: int | None = 1  # optimizer steps per epoch (from the data: not saved); None: a stream
     parts: list[Part] = field(default_factory=list)  # the run's optional features (engine/parts)
     states: dict = field(default_factory=dict)  # more checkpointed objects, by name: see `register`
     epoch: int = 0  # epoch in progress
     batches_done: int = 0  # micro-batches of `epoch` already trained
     step: int = 0  # optimizer steps taken in the whole run
-    best_metric_value: float | None = None  # of checkpoint.best_metric, over the epochs so far
+    best_metric_value: float | None = None  # of checkpoint.best_metric, over the evaluations so far
+    evaluated_step: int = 0  # the step of the last evaluation: a resumed run does one left undone
 
     def __post_init__(self):
         parts, self.parts = self.parts, []
@@ -91,6 +92,7 @@ class TrainState:
             "batches_done": self.batches_done,
             "step": self.step,
             "best_metric_value": self.best_metric_value,
+            "evaluated_step": self.evaluated_step,
             "skipped_steps": self.guard.skipped_steps,
             "states": {name: state for name, state in states.items() if state is not None},
             "weight_sets": [part.name for part in self.parts if part.holds_weights],
@@ -107,6 +109,7 @@ class TrainState:
         self.batches_done = state["batches_done"]
         self.step = state["step"]
         self.best_metric_value = state.get("best_metric_value")  # absent in older checkpoints
+        self.evaluated_step = state.get("evaluated_step", self.step)
         self.guard.skipped_steps = state.get("skipped_steps", 0)
         saved = state.get("states", {})
         for name, obj in self.states.items():
@@ -260,10 +263,15 @@ def full_on_main(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class EpochStats:
-    """The epoch's losses, summed on the device (no host sync per step), and its clock."""
+    """The losses since the last evaluation (an epoch's, unless train.eval_every_steps),
+    summed on the device (no host sync per step), and their clock."""
 
     def __init__(self, device: torch.device):
-        self.loss_sums = {"loss": torch.zeros((), device=device)}  # and named losses, once seen
+        self.device = device
+        self.reset()
+
+    def reset(self) -> None:
+        self.loss_sums = {"loss": torch.zeros((), device=self.device)}  # and named losses, once seen
         self.micro_batches = 0
         self.start = time.perf_counter()
         self.step_ends = [self.start]  # host clock at each optimizer step: no device sync needed

@@ -50,6 +50,15 @@ def test_warmup_is_measured_in_epochs(steps_per_epoch):
     assert factors[-1] < 0.05  # cosine to near zero by the last step
 
 
+@pytest.mark.parametrize("steps_per_epoch", [40, None], ids=["map-style", "stream"])
+def test_a_run_counted_in_steps_warms_up_and_decays_over_its_steps(steps_per_epoch):
+    cfg = reference_config(None, ["train.max_steps=300", "optim.warmup_steps=30", "train.epochs=2"])
+    factors = [RECIPE.lr_factor(step, cfg, steps_per_epoch) for step in range(300)]
+    assert RECIPE.warmup_steps(cfg.optim, steps_per_epoch) == 30 and factors[29] == 1.0
+    assert all(a >= b for a, b in pairwise(factors[30:]))  # decays over the 300 steps, not 2 epochs of 40
+    assert factors[79] > 0.9 and factors[-1] < 0.001
+
+
 def test_scheduler_starts_at_the_warmup_rate():
     cfg = reference_config(None, ["optim.warmup_epochs=2"])
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.4)

@@ -34,7 +34,7 @@ class Part:
         None: built, moved and wrapped in DDP by the core."""
         return None
 
-    def joins_later(self, model: nn.Module, steps_per_epoch: int) -> dict[str, int]:
+    def joins_later(self, model: nn.Module, steps_per_epoch: int | None) -> dict[str, int]:
         """Parameters frozen now that are trained from a later step: {name: step} (recipe.py)."""
         return {}
 

@@ -78,9 +78,11 @@ class Freezing(Part):
         self.set_requires_grad(model, epoch=0)
         return model
 
-    def joins_later(self, model: nn.Module, steps_per_epoch: int) -> dict[str, int]:
+    def joins_later(self, model: nn.Module, steps_per_epoch: int | None) -> dict[str, int]:
         if not self.epochs:
             return {}
+        if steps_per_epoch is None:
+            raise ConfigError("freeze.epochs counts epochs, which a stream has no length for; freeze for the whole run")
         first_step = self.epochs * steps_per_epoch
         return {name: first_step for name, _ in model.named_parameters() if self.is_frozen_name(name)}
 

@@ -18,7 +18,7 @@ TASK_FILES = {"model.py", "data.py", "config.yaml", "README.md", "pyproject.toml
 # so that `make test`'s workers share them with the SLURM tests and the rest; one nested
 # `pytest -n 2` would leave one worker with the whole suite.
 SUITE_PARTS = {
-    "faults": ["test_faults.py"],
+    "faults": ["test_faults.py", "test_streaming.py"],
     "task and exactness": ["test_task.py", "test_exactness.py", "test_data.py", "test_config.py"],
     "training and launch": [
         "test_train.py",

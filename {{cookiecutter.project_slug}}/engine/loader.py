@@ -17,12 +17,13 @@ import dataclasses
 from collections.abc import Callable, Mapping
 
 import torch
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
 from engine.config import Config, effective_batch
 from engine.distributed import DistEnv
 from engine.errors import UsageError
 from engine.seeding import derive_seed, sample_seeds
+from engine.stream import StreamParts, StreamSteps
 
 
 class TrainSampler(DistributedSampler):
@@ -125,14 +126,28 @@ def micro_batches_per_epoch(dataset_size: int, cfg: Config, env: DistEnv) -> int
     return steps * cfg.train.accum_steps
 
 
-def steps_per_epoch(train_loader: DataLoader, cfg: Config) -> int:
-    """Optimizer steps per epoch (the train loader draws whole steps only)."""
+def steps_per_epoch(train_loader: DataLoader, cfg: Config) -> int | None:
+    """Optimizer steps per epoch (the train loader draws whole steps only); None for a
+    stream, whose length is known only at its end."""
+    if isinstance(train_loader, StreamLoader):
+        return None
     return train_loader.sampler.num_batches // cfg.train.accum_steps
 
 
 def build_train_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device, **hooks) -> DataLoader:
     """`hooks`: `collate_fn` makes a batch from a list of samples (None: torch's
-    default_collate); `worker_init_fn` runs first in each worker process."""
+    default_collate); `worker_init_fn` runs first in each worker process. A stream
+    (IterableDataset) is read in parts: engine/stream.py."""
+    if isinstance(dataset, IterableDataset):
+        if not cfg.train.max_steps:
+            raise UsageError(
+                "the training set is a stream (an IterableDataset), which has no length to count epochs in; "
+                "set train.max_steps, the run's length in optimizer steps"
+            )
+        stream = StreamParts(dataset, env.rank, env.world_size, cfg.seed)
+        loader = make_loader(stream, cfg, device, hooks, batch_size=cfg.train.batch_size, drop_last=True)
+        loader.steps = StreamSteps(cfg.train.accum_steps)
+        return loader
     sampler = TrainSampler(
         dataset, env, cfg.seed, cfg.train.batch_size, micro_batches_per_epoch(len(dataset), cfg, env)
     )
@@ -141,6 +156,12 @@ def build_train_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torc
 
 def build_val_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device, **hooks) -> DataLoader:
     """`hooks`: as for build_train_loader."""
+    if isinstance(dataset, IterableDataset):
+        raise UsageError(
+            "the validation set is a stream (an IterableDataset); evaluation needs a map-style Dataset (len() and "
+            "indexing), so that every sample counts once with the same result on any number of processes: return "
+            "one from build_datasets (e.g. the validation shards read into memory)"
+        )
     batches = EvalBatches(len(dataset), cfg.train.eval_batch_size, env)
     return make_loader(dataset, cfg, device, hooks, batch_sampler=batches)
 
@@ -153,6 +174,10 @@ class RankDataLoader(DataLoader):
     workers otherwise outlive the process group. Forked after the group started, they
     hold copies of its sockets, and a group torn down beside them aborted the process
     at exit (gloo's "state_ <= CONNECTED", in 4 of 10 evaluations on 3 processes)."""
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        """Call before every epoch: it picks the epoch's order and where to start in it."""
+        self.sampler.set_epoch(epoch, start_batch)
 
     def __iter__(self):
         try:
@@ -175,17 +200,40 @@ class RankDataLoader(DataLoader):
             shutdown()
 
 
+class StreamLoader(RankDataLoader):
+    """A stream's micro-batches, in whole optimizer steps, as many on every rank (engine/stream.py)."""
+
+    steps: StreamSteps
+    epoch, start_batch, batches = 0, 0, None
+
+    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
+        self.dataset.set_epoch(epoch)
+        self.epoch, self.start_batch = epoch, start_batch
+        self.generator.manual_seed(derive_seed(self.dataset.seed, self.dataset.rank, epoch))  # workers' own seeds
+
+    def __iter__(self):
+        self.batches = self.steps(super().__iter__(), self.epoch, self.start_batch)
+        return self.batches
+
+    def close(self) -> None:
+        if self.batches is not None:  # its workers end with it
+            self.batches.close()
+        super().close()
+
+
 def make_loader(dataset, cfg: Config, device: torch.device, hooks: dict, **sampling) -> DataLoader:
     """`hooks`: collate_fn and worker_init_fn (None: torch's defaults); `sampling`: sampler
-    and batch_size, or a batch_sampler."""
-    workers = cfg.train.num_workers
-    return RankDataLoader(
+    and batch_size, or a batch_sampler (a stream: batch_size and drop_last)."""
+    workers, stream = cfg.train.num_workers, isinstance(dataset, StreamParts)
+    return (StreamLoader if stream else RankDataLoader)(
         dataset,
         **sampling,
         collate_fn=hooks.get("collate_fn"),  # None: torch's default_collate
         num_workers=workers,
         pin_memory=device.type == "cuda",  # pinned host memory only helps copies to a GPU
-        persistent_workers=workers > 0,  # no worker start-up cost at every epoch
+        # No worker start-up cost at every epoch; but a stream's workers start anew, with
+        # the epoch it is set to.
+        persistent_workers=workers > 0 and not stream,
         prefetch_factor=2 if workers > 0 else None,
         worker_init_fn=hooks.get("worker_init_fn"),
         # Its own generator: creating an iterator must not draw from the global RNG, or

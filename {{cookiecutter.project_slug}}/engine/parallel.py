@@ -93,7 +93,7 @@ def wrap_ddp(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device) 
     """The module to train: DDP or, for one process, the model itself."""
     if env.world_size == 1:
         return model
-    return ModelDDP(
+    ddp = ModelDDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
         gradient_as_bucket_view=True,  # gradients live in the all-reduce buckets: no copy
@@ -101,6 +101,26 @@ def wrap_ddp(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device) 
         find_unused_parameters=cfg.dist.find_unused_parameters,
         bucket_cap_mb=cfg.dist.bucket_cap_mb,
     )
+    # With find_unused_parameters DDP never lays its buckets out again; a static graph
+    # takes its first backward for the graph's record, which must be a real step's.
+    if not (cfg.dist.find_unused_parameters or cfg.dist.static_graph):
+        settle_buckets(ddp)
+    return ddp
+
+
+def settle_buckets(ddp: DistributedDataParallel) -> None:
+    """Give DDP's gradient buckets, now, the layout every step will have. DDP all-reduces
+    its first backward in one bucket of every gradient, and lays the buckets out anew after
+    it. On 3 or more processes the last bit of a sum depends on where a gradient lies in
+    its bucket, so a resumed run's first step, the first of its wrapper, would round
+    otherwise than the same step of the run left alone did. A first backward of zero
+    gradients, all-reduced and dropped, takes that place in every run. Every rank must
+    call this."""
+    trained = [p for p in ddp.module.parameters() if p.requires_grad]
+    ddp.reducer.prepare_for_backward([])  # what DDP's forward does before a backward
+    torch.autograd.backward([p.sum() * 0 for p in trained])
+    for p in trained:
+        p.grad = None
 
 
 class ModelDDP(DistributedDataParallel):

@@ -2,12 +2,15 @@
 GPU processes section, and figures that stay flat over the epochs."""
 
 import os
+import shlex
+import shutil
+import subprocess
 import sys
 
 import pytest
 import torch
 
-from conftest import FAST, machinery_project, read_metrics, run_script
+from conftest import FAST, clean_env, machinery_project, read_metrics, run_script
 from engine.parts.memory import (
     SKIPPED,
     GpuUsage,
@@ -183,3 +186,21 @@ def test_memory_stays_flat_over_epochs(tmp_path):
         grown_beyond_cache = [r - rss[0] - (k - kept[0]) for r, k in zip(rss, kept, strict=True)]
         assert max(grown_beyond_cache) < 25, f"rank {rank} RSS grew beyond the heap's cache: {rss}, kept {kept}"
         assert max(tensors) - min(tensors) <= 2, f"rank {rank} live tensors changed: {tensors}"
+
+
+@pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux) to hide /proc")
+def test_without_proc_the_report_says_what_it_cannot_read(tmp_path):
+    """As on macOS: /proc hidden under an empty file system, in a mount namespace of the
+    run's own. The run trains, and the report names the figure it could not read."""
+    out = tmp_path / "run"
+    train = shlex.join([sys.executable, "train.py", *FAST, "train.epochs=1", f"output_dir={out}"])
+    hidden = ["unshare", "--mount", "--propagation", "private", "sh", "-c", f"mount -t tmpfs tmpfs /proc && {train}"]
+    result = subprocess.run(
+        hidden, cwd=machinery_project(), env=clean_env(), capture_output=True, text=True, timeout=240
+    )
+    if "mount" in result.stderr and result.returncode != 0 and "Traceback" not in result.stderr:
+        pytest.skip(f"cannot hide /proc here: {result.stderr.strip()[:200]}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "not read here: rss_mib (no /proc/self/statm)" in result.stdout
+    (row,) = read_metrics(out)
+    assert "rss_mib" not in row["memory"][0] and row["memory"][0]["rss_peak_mib"] > 0

@@ -23,8 +23,10 @@ import os
 import resource
 import socket
 import statistics
+import sys
 import warnings
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -61,12 +63,8 @@ def memory_snapshot(device: torch.device) -> dict:
     allocated and reserved by this process since the last report (the first: since the
     start; `report_memory` restarts them), while `rss_peak_mib` is since the start.
     Counting live tensors walks every Python object (~0.1 s): call it between epochs."""
-    page_mib = resource.getpagesize() / 2**20
-    with open("/proc/self/statm") as f:
-        rss_pages = int(f.read().split()[1])
     snapshot = {
-        "rss_peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "rss_mib": round(rss_pages * page_mib, 1),
+        **resident_mib(),
         **c_heap_mib(),
         "live_tensors": count_live_tensors(),
     }
@@ -74,6 +72,28 @@ def memory_snapshot(device: torch.device) -> dict:
         snapshot["cuda_allocated_peak_mib"] = round(torch.cuda.max_memory_allocated(device) / 2**20, 1)
         snapshot["cuda_reserved_peak_mib"] = round(torch.cuda.max_memory_reserved(device) / 2**20, 1)
     return snapshot
+
+
+STATM = Path("/proc/self/statm")  # Linux's: this process's memory, in pages
+# Figures a system may not give, and why: the report says which it could not read.
+UNREADABLE = {"rss_mib": f"no {STATM}", "heap_used_mib": "no glibc mallinfo2"}
+
+
+def resident_mib() -> dict:
+    """This process's resident memory in MiB: its peak, and its current size where /proc
+    tells it (Linux; not macOS)."""
+    per_mib = 2**20 if sys.platform == "darwin" else 2**10  # ru_maxrss: bytes on macOS, KiB on Linux
+    figures = {"rss_peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / per_mib, 1)}
+    try:
+        pages = int(STATM.read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return figures
+    return figures | {"rss_mib": round(pages * resource.getpagesize() / 2**20, 1)}
+
+
+def unread(row: dict) -> str:
+    missing = [f"{key} ({why})" for key, why in UNREADABLE.items() if key not in row]
+    return f"; not read here: {', '.join(missing)}" if missing else ""
 
 
 def count_live_tensors() -> int:
@@ -155,7 +175,7 @@ def report_memory(device: torch.device, when: str, held: dict | None = None) -> 
     stays reserved (e.g. a checkpoint loaded onto GPU 0) is the new period's floor."""
     per_rank = gather_memory(device, held or {})
     if is_main():
-        log(f"memory per rank, MiB ({when}):\n{memory_table(per_rank)}")
+        log(f"memory per rank, MiB ({when}{unread(per_rank[0])}):\n{memory_table(per_rank)}")
         warning = imbalance_warning(per_rank)
         if warning:
             log(warning)

@@ -18,7 +18,7 @@ TASK_FILES = {"model.py", "data.py", "config.yaml", "README.md", "pyproject.toml
 # so that `make test`'s workers share them with the SLURM tests and the rest; one nested
 # `pytest -n 2` would leave one worker with the whole suite.
 SUITE_PARTS = {
-    "faults": ["test_faults.py", "test_streaming.py"],
+    "faults": ["test_faults.py"],
     "task and exactness": ["test_task.py", "test_exactness.py", "test_data.py", "test_config.py"],
     "training and launch": [
         "test_train.py",
@@ -27,7 +27,13 @@ SUITE_PARTS = {
         "test_entry_points.py",
         "test_launcher.py",
     ],
-    "memory and fsdp": ["test_memory.py", "test_fsdp.py", "test_fsdp_tied.py", "test_common_changes.py"],
+    "memory, fsdp and streams": [
+        "test_memory.py",
+        "test_fsdp.py",
+        "test_fsdp_tied.py",
+        "test_common_changes.py",
+        "test_streaming.py",
+    ],
     "daily loop and units": [
         "test_trackers.py",
         "test_tensorboard.py",
@@ -37,6 +43,7 @@ SUITE_PARTS = {
         "test_freezing.py",
         "test_early_stopping.py",
         "test_checkpoint.py",
+        "test_run_record.py",
         "test_metrics.py",
         "test_profiling.py",
         "test_pretrained.py",

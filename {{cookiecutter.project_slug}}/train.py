@@ -34,12 +34,13 @@ from engine.distributed import (
 from engine.divergence import NonFiniteGuard
 from engine.host import freeze_setup_objects, set_host_allocator
 from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
-from engine.logs import QuietLog, RunLog, log, report_errors
+from engine.logs import QuietLog, RunLog, keep_output_in, log, report_errors
 from engine.metrics import evaluate
 from engine.parallel import build_and_wrap, memory_format, wrap_again
 from engine.parts import build_parts
 from engine.precision import build_grad_scaler, check_precision
 from engine.preemption import StopRequest, leave_stop_signals_to_the_rank
+from engine.provenance import commit_line, describe_run, header
 from engine.run_lock import RunLock
 from engine.seeding import capture_rng_state, derive_seed, restore_rng_state, seed_everything, set_determinism
 from engine.training import EpochStats, TrainState, forward_backward, optimizer_step
@@ -73,10 +74,12 @@ def main(argv=None) -> None:
         with stop_all_if_any_fails(device):
             if is_main():  # one run per output_dir, taken before anything is written there
                 lock = RunLock(cfg.output_dir).acquire()
+                keep_output_in(Path(cfg.output_dir) / "train.log")  # rank 0's lines, across resumes
         stop = StopRequest(cfg.dist.timeout_minutes, cfg.train.stop_at_step).install(env.launcher)
         check_precision(cfg, device)
         set_determinism(cfg.train.deterministic, device)
-        checkpointer = Checkpointer(cfg, env, device)
+        provenance = describe_run(env, Path(__file__).resolve().parent)  # git commit, versions, hosts
+        checkpointer = Checkpointer(cfg, env, device, provenance)
         train_loader, val_loader, state = load_train_objs(cfg, env, device, checkpointer, parts)
         loaders = (train_loader, val_loader)
         rng_restored = checkpointer.resume(state)
@@ -84,7 +87,7 @@ def main(argv=None) -> None:
             sanity_check(state, val_loader, cfg, checkpointer)
         # Rank 0's log and the parts' records, e.g. trackers (a QuietLog elsewhere), closed at the
         # end: their runs as failed on an error.
-        with start_run_log(cfg, env, state, train_loader, val_loader) as run_log:
+        with start_run_log(cfg, env, state, loaders, provenance) as run_log:
             # A hang fails the run after dist.step_timeout_minutes once the first step is done.
             shorten_timeout_after_first_step(state.optimizer, cfg.dist.step_timeout_minutes, [stop.group])
             for part in state.parts:
@@ -163,21 +166,22 @@ def sanity_check(state: TrainState, val_loader, cfg, checkpointer: Checkpointer)
     checkpointer.check_best_metric(results)
 
 
-def start_run_log(cfg, env, state: TrainState, train_loader, val_loader) -> RunLog | QuietLog:
+def start_run_log(cfg, env, state: TrainState, loaders, provenance: dict) -> RunLog | QuietLog:
     """On rank 0: save the resolved config, say what runs, open the run's log and its
     trackers; a QuietLog elsewhere. An unwritable output_dir or a tracker that cannot start
     stops every rank here. Every rank must call this."""
-    run_log = QuietLog()
+    run_log, (train_loader, val_loader) = QuietLog(), loaders
     per_step = effective_batch(cfg.train, env.world_size)
     with stop_all_if_any_fails(state.device):
         if is_main():
-            save_config(cfg, Path(cfg.output_dir) / "config.yaml")
+            save_config(cfg, Path(cfg.output_dir) / "config.yaml", header(provenance))
             stream = state.steps_per_epoch is None
             train = "streamed" if stream else f"{len(train_loader.dataset)}"
             length = f"{cfg.train.max_steps} steps" if stream else f"{state.steps_per_epoch} steps/epoch"
             log(
-                f"training on {env.world_size} process(es), {state.device.type}, {state.wrapping}; "
-                f"{train} train / {len(val_loader.dataset)} val samples; effective batch {per_step}; {length}"
+                f"training on {env.world_size} process(es), {state.device.type}, {state.wrapping}, "
+                f"{commit_line(provenance)}; {train} train / {len(val_loader.dataset)} val samples; "
+                f"effective batch {per_step}; {length}"
             )
             log(recipe.describe(cfg, env.world_size, state.steps_per_epoch))
             run_log = RunLog(cfg, per_step, state.step, state.parts)  # and the parts' records, e.g. trackers

@@ -483,8 +483,9 @@ class Checkpointer:
     stop together if rank 0 cannot write.
     """
 
-    def __init__(self, cfg: Config, env: DistEnv, device: torch.device):
+    def __init__(self, cfg: Config, env: DistEnv, device: torch.device, provenance: dict | None = None):
         self.cfg, self.env, self.device = cfg, env, device
+        self.provenance = provenance  # what produced the run (engine/provenance.py), in every checkpoint
         self.directory = checkpoint_dir(cfg.output_dir)
 
     def save_if_due(self, state) -> None:
@@ -504,6 +505,7 @@ class Checkpointer:
             "config": self.cfg.to_dict(),
             "world_size": self.env.world_size,
             "rng": rng_states,
+            **({"provenance": self.provenance} if self.provenance else {}),
         }
         keep_last = self.cfg.checkpoint.keep_last
         try:

@@ -600,5 +600,6 @@ def format_config(cfg: Config) -> str:
     return "\n".join(render(cfg)).lstrip("\n") + "\n"
 
 
-def save_config(cfg: Config, path: Path) -> None:
-    write_text_whole(path, format_config(cfg))
+def save_config(cfg: Config, path: Path, header: str = "") -> None:
+    """`header`: comment lines above the settings (e.g. what produced the run)."""
+    write_text_whole(path, header + format_config(cfg))

@@ -1,3 +1,4 @@
+import itertools
 import os
 import pickle
 import shutil
@@ -6,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import pytest
+import safetensors.torch
 import torch
 
 from conftest import FAST, STRATEGIES, machinery_project, read_metrics, reference_config, reference_task, run_script
@@ -509,3 +511,30 @@ def test_a_run_resumes_after_its_model_config_grew_a_defaulted_field(tmp_path):
     result = run_script("train.py", [*args, "train.epochs=2"], cwd=project)
     assert "resumed from" in result.stdout
     assert [row["epoch"] for row in read_metrics(out)] == [0, 1]
+
+
+def test_export_writes_weights_safetensors_and_the_settings_of_the_same_model(tmp_path):
+    """model.pt and model.safetensors load into the model that model.yaml builds, and it
+    gives the checkpoint's model's outputs exactly."""
+    trained = tmp_path / "trained"
+    run_script("train.py", [*FAST, "data.train_size=64", "train.epochs=1", f"output_dir={trained}"])
+    checkpoint = trained / "checkpoints" / "last.pt"
+    exported = tmp_path / "export" / "model.pt"
+    shown = run_script("export.py", ["--checkpoint", checkpoint, "--out", exported]).stdout
+    assert shown.startswith(f"wrote {exported}: ") and "beside it model.safetensors and model.yaml" in shown
+
+    cfg = reference_config(exported.with_suffix(".yaml"))
+    assert cfg.model == reference_config(None, FAST).model
+    task = reference_task()
+    images = torch.stack([image for image, _ in itertools.islice(task.data.build_datasets(cfg)[1], 8)])
+    outputs = []
+    for weights in (
+        load_checkpoint(checkpoint)["model"],
+        torch.load(exported, weights_only=True),
+        safetensors.torch.load_file(exported.with_suffix(".safetensors")),
+    ):
+        model = task.model.build_model(cfg).eval()
+        model.load_state_dict(strip_prefixes(weights))  # strict: every name and shape
+        with torch.no_grad():
+            outputs.append(model(images))
+    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])

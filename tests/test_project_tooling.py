@@ -4,6 +4,7 @@ optional parts, recorded answers (replay, cruft), hygiene. And this repo's own l
 import itertools
 import json
 import os
+import re
 import shutil
 import stat
 import subprocess
@@ -136,6 +137,43 @@ def test_cruft_create_and_check_against_the_template(tmp_path):
     (repo / "README.md").write_text((repo / "README.md").read_text() + "\nchanged\n")
     run(["git", "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qam", "newer template"], repo)
     assert run([str(BIN / "cruft"), "check"], project, check=False).returncode != 0  # now out of date
+
+
+def test_cruft_update_to_a_newer_version_keeps_the_users_edits(tmp_path):
+    """A project generated from one version of the template takes in the next version's
+    changes (a new line in a docs page, a new version number) and keeps the user's own
+    edit to model.py."""
+    repo = template_repo(tmp_path)
+    git = lambda *args, cwd=repo: run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd)  # noqa: E731
+    git("tag", "v1.0.0")
+    page = repo / "{{cookiecutter.project_slug}}" / "docs" / "config.md"
+    page.write_text(page.read_text() + "\nA line that version 1.1.0 adds.\n")
+    questions = repo / "cookiecutter.json"
+    questions.write_text(re.sub(r'"_template_version": "[^"]+"', '"_template_version": "1.1.0"', questions.read_text()))
+    git("commit", "-qam", "the next version")
+    git("tag", "v1.1.0")
+
+    out = tmp_path / "out"
+    out.mkdir()
+    run([str(BIN / "cruft"), "create", "--no-input", "--checkout", "v1.0.0", str(repo)], out)
+    project = out / "ddp_classifier"
+    git("init", "-q", cwd=project)
+    git("add", "-A", cwd=project)
+    git("commit", "-qm", "generated", cwd=project)
+    edit = "\n\ndef my_helper():  # the user's own code\n    return 42\n"
+    (project / "model.py").write_text((project / "model.py").read_text() + edit)
+    git("commit", "-qam", "my model", cwd=project)
+
+    run([str(BIN / "cruft"), "update", "--checkout", "v1.1.0", "--skip-apply-ask"], project)
+    assert (project / "model.py").read_text().endswith(edit)
+    assert "A line that version 1.1.0 adds." in (project / "docs" / "config.md").read_text()
+    assert json.loads((project / ".cookiecutter.json").read_text())["cookiecutter"]["_template_version"] == "1.1.0"
+
+
+def test_the_template_version_is_the_changelogs_newest(baked):
+    newest = re.search(r"^## (\d+\.\d+\.\d+) ", (TEMPLATE / "CHANGELOG.md").read_text(), flags=re.M).group(1)
+    assert json.loads((TEMPLATE / "cookiecutter.json").read_text())["_template_version"] == newest
+    assert json.loads((baked / ".cookiecutter.json").read_text())["cookiecutter"]["_template_version"] == newest
 
 
 def test_line_endings_and_executable_scripts(baked):

@@ -49,6 +49,7 @@ PROJECT_MODULES = {
     "export",
     "model",
     "recipe",
+    "sweep",
     "train",
     "tests",
     "conftest",

@@ -44,6 +44,7 @@ SUITE_PARTS = {
         "test_early_stopping.py",
         "test_checkpoint.py",
         "test_run_record.py",
+        "test_sweep.py",
         "test_metrics.py",
         "test_profiling.py",
         "test_pretrained.py",

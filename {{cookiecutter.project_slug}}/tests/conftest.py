@@ -113,7 +113,7 @@ def machinery_project() -> Path:
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     project = root / PROJECT.name
     shutil.copytree(PROJECT / "engine", project / "engine", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("evaluate.py", "export.py"):
+    for name in ("evaluate.py", "export.py", "sweep.py"):
         shutil.copy(PROJECT / name, project / name)
     for name in ("model.py", "data.py", "config.yaml", "train.py", "recipe.py"):
         shutil.copy(REFERENCE_TASK / name, project / name)

@@ -24,7 +24,7 @@ import safetensors.torch
 import torch
 import yaml
 
-from engine.checkpoint import atomic_write, load_checkpoint, load_model_state
+from engine.checkpoint import atomic_write, load_model_state
 from engine.distributed import is_main
 from engine.errors import UsageError
 from engine.logs import report_errors
@@ -47,8 +47,7 @@ def main(argv=None) -> None:
     for path in files:
         if path.exists():  # it may be a checkpoint: never overwrite one
             raise UsageError(f"{str(path)!r} already exists; choose another --out or remove it first")
-    weights = load_model_state(args.checkpoint)
-    config = load_checkpoint(args.checkpoint, tensors=False)["config"]
+    weights, config = load_model_state(args.checkpoint)
     writers = [
         lambda f: torch.save(weights, f),
         lambda f: f.write(safetensors.torch.save(unshared(weights))),

@@ -304,13 +304,16 @@ def not_ours(path: Path, detail: str) -> UnusableCheckpoint:
     )
 
 
-def load_model_state(path: str | Path) -> dict:
-    """A checkpoint's model weights, whole, on the CPU, without wrapper prefixes (for
-    export). A folder's optimizer state is not read."""
+def load_model_state(path: str | Path) -> tuple[dict, dict]:
+    """A checkpoint's model weights, whole, on the CPU, without wrapper prefixes, and the
+    config that built them (for export). A file is read once; a folder's optimizer state
+    is not read."""
     path = Path(path)
     if path.is_dir():
-        return strip_prefixes(folders(path).read_model_weights(path))
-    return strip_prefixes(load_checkpoint(path)["model"])
+        config = load_checkpoint(path, tensors=False)["config"]
+        return strip_prefixes(folders(path).read_model_weights(path)), config
+    ckpt = load_checkpoint(path)
+    return strip_prefixes(ckpt["model"]), ckpt["config"]
 
 
 def folders(path: Path):

@@ -48,6 +48,7 @@ PROJECT_MODULES = {
     "evaluate",
     "export",
     "model",
+    "predict",
     "recipe",
     "sweep",
     "train",

@@ -13,7 +13,10 @@ from conftest import CHOICES, PART_ANSWERS, TEMPLATE, WITHOUT_PARTS, bake
 from cookiecutter.exceptions import FailedHookException
 
 # The top of a baked project: what the user edits, and one package of machinery.
-USER_FILES = {"train.py", "evaluate.py", "export.py", "sweep.py", "model.py", "data.py", "recipe.py", "config.yaml"}
+USER_FILES = {
+    *("train.py", "evaluate.py", "export.py", "predict.py", "sweep.py"),
+    *("model.py", "data.py", "recipe.py", "config.yaml"),
+}
 TOP_LEVEL = USER_FILES | {"engine", "tests", "scripts", "docs", "README.md", "LICENSE", "pyproject.toml"}
 
 

@@ -33,6 +33,7 @@ SUITE_PARTS = {
         "test_fsdp_tied.py",
         "test_common_changes.py",
         "test_streaming.py",
+        "test_predict.py",
     ],
     "daily loop and units": [
         "test_trackers.py",

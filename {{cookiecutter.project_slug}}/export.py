@@ -4,7 +4,10 @@
 
 writes model.pt (a torch.save state dict), model.safetensors (the same tensors, in a
 format any framework reads without running code) and model.yaml (the run's settings, the
-model section among them: `--config model.yaml` builds the same model).
+model section among them: `--config model.yaml` builds the same model). With --program it
+also writes model.pt2, a torch.export program traced from one batch of the validation
+set (model.py's `model_inputs` says what the model takes), its batch size left free:
+it runs without this project's code.
 
 {% if cookiecutter.fsdp %}Takes either kind of checkpoint: a .pt file, or the folder an FSDP run saves. It runs in
 one process and holds the whole model in host memory (never the optimizer state of a
@@ -15,25 +18,37 @@ rank 0 alone writes. Load the result into the model you train:{% endif %}
   model = build_model(cfg)
   model.load_state_dict(torch.load("model.pt", weights_only=True))
   # or: model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
+  # or, with no model.py at all: torch.export.load("model.pt2").module()(images)
+
+predict.py runs any of them on new inputs.
 """
 
 import argparse
+import io
 from pathlib import Path
 
 import safetensors.torch
 import torch
 import yaml
+from torch.utils.data import default_collate
 
-from engine.checkpoint import atomic_write, load_model_state
+import data
+import model as task
+from data import DataConfig, build_datasets
+from engine.checkpoint import atomic_write, load_model_state, load_model_weights
+from engine.config import load_config
 from engine.distributed import is_main
 from engine.errors import UsageError
 from engine.logs import report_errors
+from model import ModelConfig, build_model
+from recipe import OptimConfig
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="checkpoint: a .pt file{% if cookiecutter.fsdp %}, or a sharded checkpoint's folder{% endif %}")
     parser.add_argument("--out", required=True, help="the weights file to write (must not exist yet)")
+    parser.add_argument("--program", action="store_true", help="also write a torch.export program (.pt2)")
     return parser.parse_args(argv)
 
 
@@ -43,7 +58,7 @@ def main(argv=None) -> None:
     if not is_main():  # under a launcher: one writer, the others have nothing to do
         return
     out = Path(args.out)
-    files = [out, out.with_suffix(".safetensors"), out.with_suffix(".yaml")]
+    files = [out, out.with_suffix(".safetensors"), out.with_suffix(".yaml")] + [out.with_suffix(".pt2")] * args.program
     for path in files:
         if path.exists():  # it may be a checkpoint: never overwrite one
             raise UsageError(f"{str(path)!r} already exists; choose another --out or remove it first")
@@ -53,6 +68,9 @@ def main(argv=None) -> None:
         lambda f: f.write(safetensors.torch.save(unshared(weights))),
         lambda f: f.write(yaml.safe_dump(config, sort_keys=False).encode()),
     ]
+    if args.program:
+        program = export_program(weights, config)
+        writers.append(lambda f: f.write(saved_program(program)))
     size = sum(tensor.numel() * tensor.element_size() for tensor in weights.values())
     written = []
     try:
@@ -66,12 +84,40 @@ def main(argv=None) -> None:
         reason = f"{error.filename!r} is a file" if isinstance(error, FileExistsError) else error.strerror
         raise UsageError(
             f"cannot write {str(out)!r}: {reason or error}; choose an --out in a writable folder "
-            f"with room for {2 * size / 2**20:.{1 if size >= 2**20 else 3}f} MiB"
+            f"with room for {(len(files) - 1) * size / 2**20:.{1 if size >= 2**20 else 3}f} MiB"
         ) from None
-    print(
-        f"wrote {out}: {len(weights)} tensors, {size / 2**20:.1f} MiB; beside it {files[1].name} and {files[2].name}",
-        flush=True,
-    )
+    beside = ", ".join(path.name for path in files[1:-1]) + f" and {files[-1].name}"
+    print(f"wrote {out}: {len(weights)} tensors, {size / 2**20:.1f} MiB; beside it {beside}", flush=True)
+
+
+def saved_program(program: torch.export.ExportedProgram) -> bytes:
+    buffer = io.BytesIO()  # torch.export.save writes to a file name or a buffer
+    torch.export.save(program, buffer)
+    return buffer.getvalue()
+
+
+def export_program(weights: dict, config: dict) -> torch.export.ExportedProgram:
+    """The model in eval mode, traced by torch.export from two validation samples (a batch
+    of one would fix the batch size at 1), with the batch dimension of every input free."""
+    model_inputs = getattr(task, "model_inputs", None)
+    if not callable(model_inputs):
+        raise UsageError("--program: model.py has no model_inputs(batch); add one returning what model(...) takes")
+    cfg = load_config(None, base=config, data=DataConfig, model=ModelConfig, optim=OptimConfig)
+    model = build_model(cfg)
+    load_model_weights(model, weights, "the checkpoint")
+    _, val_set = build_datasets(cfg)
+    batch = (getattr(data, "collate_fn", None) or default_collate)([val_set[i % len(val_set)] for i in range(2)])
+    inputs = tuple(model_inputs(batch))
+    batch_size = torch.export.Dim("batch")
+    shapes = tuple({0: batch_size} if isinstance(x, torch.Tensor) else None for x in inputs)
+    try:
+        return torch.export.export(model.eval(), inputs, dynamic_shapes=shapes)
+    except Exception as error:  # noqa: BLE001  torch.export's reasons are many and long
+        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        raise UsageError(
+            f"--program: torch.export cannot trace the model ({reason[:300]}); export without --program, "
+            "or make the model traceable (https://pytorch.org/docs/stable/export.html)"
+        ) from None
 
 
 def unshared(weights: dict) -> dict:

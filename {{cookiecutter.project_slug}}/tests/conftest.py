@@ -108,12 +108,12 @@ def import_file(name: str, path: Path):
 def machinery_project() -> Path:
     """A copy of this project's machinery with the reference task as its model.py, data.py
     and config.yaml, and the frozen train.py and recipe.py: where the machinery's tests run
-    train.py, evaluate.py and export.py."""
+    train.py, evaluate.py, export.py and predict.py."""
     root = Path(tempfile.mkdtemp(prefix="machinery-"))
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     project = root / PROJECT.name
     shutil.copytree(PROJECT / "engine", project / "engine", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("evaluate.py", "export.py", "sweep.py"):
+    for name in ("evaluate.py", "export.py", "predict.py", "sweep.py"):
         shutil.copy(PROJECT / name, project / name)
     for name in ("model.py", "data.py", "config.yaml", "train.py", "recipe.py"):
         shutil.copy(REFERENCE_TASK / name, project / name)
@@ -358,6 +358,30 @@ def evaluate_on_1_2_and_3_processes(train_args, output_dir: Path) -> list[dict]:
     args = ["--checkpoint", output_dir / "checkpoints" / "last.pt", "train.eval_batch_size=1"]
     runs = [run_script("evaluate.py", args, nproc=nproc, cwd=PROJECT) for nproc in (None, 2, 3)]
     return [json.loads(run.stdout.splitlines()[-1]) for run in runs]
+
+
+def predict_on_1_and_2_processes(train_args, output_dir: Path, images=5) -> list[dict]:
+    """Your task: train one epoch, then predict.py on a folder of `images` noise images of
+    odd sizes, on 1 and 2 processes in batches of 2 (the same file, checked here). Its rows."""
+    from PIL import Image
+
+    run_script("train.py", [*train_args, "train.epochs=1", f"output_dir={output_dir}"], cwd=PROJECT)
+    photos = output_dir / "photos"
+    photos.mkdir()
+    generator = torch.Generator().manual_seed(0)
+    for index in range(images):
+        pixels = torch.randint(0, 256, (20 + index, 27, 3), dtype=torch.uint8, generator=generator)
+        Image.fromarray(pixels.numpy()).save(photos / f"{index}.png")
+    texts = []
+    for nproc in (None, 2):
+        out = output_dir / f"predictions-{nproc or 1}.jsonl"
+        args = ["--checkpoint", output_dir / "checkpoints" / "last.pt", "--inputs", photos, "--out", out]
+        run_script("predict.py", [*args, "train.eval_batch_size=2"], nproc=nproc, cwd=PROJECT)
+        texts.append(out.read_text())
+    assert texts[0] == texts[1]
+    rows = [json.loads(line) for line in texts[0].splitlines()]
+    assert [row["input"] for row in rows] == [str(photos / f"{index}.png") for index in range(images)]
+    return rows
 
 
 def assert_resume_is_bitwise(train_args, output_dir: Path, nproc, stop_at: int) -> None:

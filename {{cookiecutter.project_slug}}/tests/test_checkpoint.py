@@ -513,15 +513,16 @@ def test_a_run_resumes_after_its_model_config_grew_a_defaulted_field(tmp_path):
     assert [row["epoch"] for row in read_metrics(out)] == [0, 1]
 
 
-def test_export_writes_weights_safetensors_and_the_settings_of_the_same_model(tmp_path):
+def test_export_writes_weights_safetensors_a_program_and_the_settings_of_the_same_model(tmp_path):
     """model.pt and model.safetensors load into the model that model.yaml builds, and it
-    gives the checkpoint's model's outputs exactly."""
+    gives the checkpoint's model's outputs exactly; so does model.pt2 without model.py,
+    on a batch of another size than the one it was traced from."""
     trained = tmp_path / "trained"
     run_script("train.py", [*FAST, "data.train_size=64", "train.epochs=1", f"output_dir={trained}"])
     checkpoint = trained / "checkpoints" / "last.pt"
     exported = tmp_path / "export" / "model.pt"
-    shown = run_script("export.py", ["--checkpoint", checkpoint, "--out", exported]).stdout
-    assert shown.startswith(f"wrote {exported}: ") and "beside it model.safetensors and model.yaml" in shown
+    shown = run_script("export.py", ["--checkpoint", checkpoint, "--out", exported, "--program"]).stdout
+    assert shown.startswith(f"wrote {exported}: ") and "beside it model.safetensors, model.yaml and model.pt2" in shown
 
     cfg = reference_config(exported.with_suffix(".yaml"))
     assert cfg.model == reference_config(None, FAST).model
@@ -537,4 +538,6 @@ def test_export_writes_weights_safetensors_and_the_settings_of_the_same_model(tm
         model.load_state_dict(strip_prefixes(weights))  # strict: every name and shape
         with torch.no_grad():
             outputs.append(model(images))
-    assert torch.equal(outputs[0], outputs[1]) and torch.equal(outputs[0], outputs[2])
+    with torch.no_grad():
+        outputs.append(torch.export.load(exported.with_suffix(".pt2")).module()(images))
+    assert all(torch.equal(outputs[0], output) for output in outputs[1:])

@@ -10,6 +10,7 @@ import os
 import re
 
 import pytest
+from PIL import Image
 
 from conftest import FAST, run_script
 
@@ -57,3 +58,17 @@ def test_export_exits_clean_under_torchrun(checkpoint, tmp_path, nproc):
         result = run_script("export.py", args, nproc=nproc, check=False, real_launcher=True)
         assert_clean(result)
         assert out.is_file() and result.stdout.count("wrote ") == 1  # rank 0 writes; the others wait
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_predict_exits_clean_under_torchrun(checkpoint, tmp_path, nproc):
+    photos = tmp_path / "photos"
+    photos.mkdir()
+    for index in range(5):  # 5 images in batches of 2: ranks with 1 and 2 batches
+        Image.new("RGB", (12, 10), (40 * index, 90, 200)).save(photos / f"{index}.png")
+    for run in range(RUNS):
+        out = tmp_path / f"predictions{run}.jsonl"
+        args = ["--checkpoint", checkpoint, "--inputs", photos, "--out", out, "train.eval_batch_size=2"]
+        result = run_script("predict.py", [*args, "train.num_workers=1"], nproc=nproc, check=False, real_launcher=True)
+        assert_clean(result)
+        assert len(out.read_text().splitlines()) == 5 and result.stdout.count("wrote ") == 1

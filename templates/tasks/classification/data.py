@@ -11,6 +11,9 @@ What train.py and evaluate.py use from here:
   a list of samples, when torch's default (stacking tensors) does not fit, e.g. images of
   different sizes with per-image targets. Any structure of tensors works as a batch:
   lists, tuples, dicts, namedtuples, dataclasses.
+- `build_predict_set(cfg, source) -> dataset` (for predict.py): new inputs, pre-processed
+  as validation samples are, each with its name: here (image tensor, file path) for every
+  image file under the folder `source`.
 
 Rules that keep distributed training correct:
 - `__getitem__` returns fresh tensors, never an object the dataset keeps (a caller that
@@ -199,10 +202,44 @@ def image_folder(root: Path, image_size: int, train_tf) -> tuple[Dataset, Datase
     folder train/ does not have is an error (the model never learns it)."""
     classes = class_names(root / "train", "train")
     check_val_classes(root / "val", classes)
-    resize = [v2.ToImage(), v2.Resize(image_size), v2.CenterCrop(image_size), v2.ToDtype(torch.float32, scale=True)]
-    train = ImageFiles(root / "train", classes, v2.Compose([*resize, train_tf]))
-    val = ImageFiles(root / "val", classes, v2.Compose([*resize, v2.Normalize(MEAN, STD)]))
+    train = ImageFiles(root / "train", classes, v2.Compose([*resized(image_size), train_tf]))
+    val = ImageFiles(root / "val", classes, v2.Compose([*resized(image_size), v2.Normalize(MEAN, STD)]))
     return train, val
+
+
+def resized(image_size: int) -> list[v2.Transform]:
+    """A PIL image as a float tensor, its shorter side scaled to image_size and its centre cut square."""
+    return [v2.ToImage(), v2.Resize(image_size), v2.CenterCrop(image_size), v2.ToDtype(torch.float32, scale=True)]
+
+
+def build_predict_set(cfg, source: str) -> Dataset:
+    """Every image file under the folder `source` (its sub-folders too), in sorted path
+    order, pre-processed as validation images are; a sample is (image, its path)."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    folder = Path(source)
+    if not folder.is_dir():
+        raise DataError(f"--inputs: {source!r} is not a folder; give the folder that holds the images to predict")
+    files = sorted(str(p) for p in folder.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS and p.is_file())
+    if not files:
+        raise DataError(f"--inputs: {source!r} holds no image files ({', '.join(IMG_EXTENSIONS)}); add some")
+    return ImagePaths(files, v2.Compose([*resized(cfg.data.image_size), v2.Normalize(MEAN, STD)]))
+
+
+class ImagePaths(Dataset):
+    """Image files by path: (image, path) samples. The paths live in one numpy byte-string
+    array, for the reason ImageFiles gives."""
+
+    def __init__(self, paths: list[str], transform):
+        self.paths = np.array([os.fsencode(path) for path in paths])
+        self.transform = transform
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        path = os.fsdecode(self.paths[index])
+        return self.transform(read_image(path)), path
 
 
 class ImageFiles(Dataset):

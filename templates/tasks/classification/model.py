@@ -12,6 +12,10 @@ What train.py and evaluate.py use from here:
   the validation metrics (engine.metrics: `Mean`, `Sum`, or `Gathered` for metrics that
   are not sums, such as AUROC or mAP), updated batch by batch; each is reported as
   `val_<name>`, exact over the whole validation set on any number of processes.
+- `predict_step(model, batch) -> [result, ...]` (for predict.py): one result per input of
+  a batch from data.py's `build_predict_set`, each a dict that JSON can write.
+- `model_inputs(batch) -> tuple` (for export.py --program): what `model(...)` takes for a
+  batch, from which torch.export traces the model.
 - `BLOCKS`: the repeated blocks of the model, the units that train.activation_checkpointing
   recomputes and that FSDP shards.
 
@@ -96,6 +100,21 @@ def validation_step(model: nn.Module, batch, metrics: dict) -> None:
     logits = model(images).float()
     metrics["loss"].update(F.cross_entropy(logits, labels, reduction="none"))
     metrics["acc"].update((logits.argmax(dim=1) == labels).float())
+
+
+def predict_step(model: nn.Module, batch) -> list[dict]:
+    images, paths = batch
+    scores, labels = model(images).float().softmax(dim=1).max(dim=1)
+    # label: the class's index, in the sorted class folder names of data.root/train/.
+    return [
+        {"input": path, "label": label, "score": round(score, 6)}
+        for path, label, score in zip(paths, labels.tolist(), scores.tolist(), strict=True)
+    ]
+
+
+def model_inputs(batch) -> tuple:
+    images, _ = batch
+    return (images,)
 
 
 def small_image_resnet18(num_classes: int) -> nn.Module:

@@ -9,6 +9,9 @@ What train.py and evaluate.py use from here:
   "boxes" [K, 4] as x1, y1, x2, y2 in pixels and "labels" [K], 1..num_classes-1).
 - `collate_fn(samples) -> batch`: images of different sizes with different numbers of
   boxes do not stack, so a batch is (list of images, list of targets).
+- `build_predict_set(cfg, source) -> dataset` (for predict.py): new inputs, pre-processed
+  as validation samples are, each with its name: here (image tensor, file path) for every
+  image file under the folder `source`.
 
 Rules that keep distributed training correct:
 - `__getitem__` returns fresh tensors, never an object the dataset keeps.
@@ -82,6 +85,34 @@ def build_datasets(cfg) -> tuple[Dataset, Dataset]:
 def collate_fn(samples: list) -> tuple[list, list]:
     images, targets = zip(*samples, strict=True)
     return list(images), list(targets)
+
+
+def build_predict_set(cfg, source: str) -> Dataset:
+    """Every image file under the folder `source` (its sub-folders too), in sorted path
+    order, as floats in [0, 1] (the detector resizes and normalises); a sample is (image, its path)."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    folder = Path(source)
+    if not folder.is_dir():
+        raise DataError(f"--inputs: {source!r} is not a folder; give the folder that holds the images to predict")
+    files = sorted(str(p) for p in folder.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS and p.is_file())
+    if not files:
+        raise DataError(f"--inputs: {source!r} holds no image files ({', '.join(IMG_EXTENSIONS)}); add some")
+    return ImagePaths(files)
+
+
+class ImagePaths(Dataset):
+    """Image files by path: (image, path) samples; the paths in one numpy byte-string array."""
+
+    def __init__(self, paths: list[str]):
+        self.paths = np.array([os.fsencode(path) for path in paths])
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        path = os.fsdecode(self.paths[index])
+        return read_rgb(Path(path)).float().div_(255), path
 
 
 def transform(augment: bool) -> v2.Transform:

@@ -12,8 +12,13 @@ What train.py and evaluate.py use from here:
   the validation metrics (engine.metrics: `Mean`, `Sum`, or `Gathered`), updated batch by
   batch; each is reported as `val_<name>`, exact over the whole validation set on any
   number of processes.
+- `predict_step(model, batch) -> [result, ...]` (for predict.py): one result per input of
+  a batch from data.py's `build_predict_set`, each a dict that JSON can write.
 - `BLOCKS`: the repeated blocks of the model, the units that train.activation_checkpointing
   recomputes and that FSDP shards.
+
+No `model_inputs`, so export.py --program refuses: torch.export cannot trace torchvision's
+detectors, whose number of boxes depends on the data.
 
 A batch is (list of images [3, H, W], list of target dicts) from data.py, already on the
 device. Both steps run under autocast when train.precision is bf16 or fp16.
@@ -91,6 +96,20 @@ def validation_step(model: nn.Module, batch, metrics: dict) -> None:
     images, targets = batch
     predictions = model(images)  # eval mode: boxes, labels and scores per image
     metrics["coco"].update(predictions, targets)
+
+
+def predict_step(model: nn.Module, batch) -> list[dict]:
+    images, paths = batch
+    # Boxes as x1, y1, x2, y2 in the image's own pixels, best score first.
+    return [
+        {
+            "input": path,
+            "boxes": [[round(v, 2) for v in box] for box in prediction["boxes"].tolist()],
+            "labels": prediction["labels"].tolist(),
+            "scores": [round(score, 6) for score in prediction["scores"].tolist()],
+        }
+        for path, prediction in zip(paths, model(images), strict=True)
+    ]
 
 
 def coco_map(predictions: list[dict], targets: list[dict]) -> dict:

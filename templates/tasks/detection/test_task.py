@@ -13,6 +13,7 @@ from conftest import (
     assert_one_epoch_trains_on_one_process,
     assert_resume_is_bitwise,
     evaluate_on_1_2_and_3_processes,
+    predict_on_1_and_2_processes,
     read_metrics,
     run_script,
 )
@@ -66,6 +67,14 @@ def test_evaluation_gives_the_same_metrics_on_1_2_and_3_processes(tmp_path):
     results = evaluate_on_1_2_and_3_processes(SMALL_TASK, tmp_path)
     assert results[0]["num_samples"] == 37
     assert results[1] == results[0] and results[2] == results[0]
+
+
+def test_predict_gives_one_result_per_image_alike_on_1_and_2_processes(tmp_path):
+    """predict.py on image files of any size: the task's own pre-processing and predict_step."""
+    rows = predict_on_1_and_2_processes(SMALL_TASK, tmp_path)
+    for row in rows:
+        assert len(row["boxes"]) == len(row["labels"]) == len(row["scores"]), row
+        assert all(len(box) == 4 and box[0] <= box[2] and box[1] <= box[3] for box in row["boxes"]), row
 
 
 def test_a_run_stopped_mid_epoch_resumes_bitwise(tmp_path):

@@ -9,6 +9,9 @@ What train.py and evaluate.py use from here:
   indices, 255 where no class counts).
 - `collate_fn(samples) -> batch` (optional; this example has none): makes one batch
   from a list of samples when torch's default stacking does not fit.
+- `build_predict_set(cfg, source) -> dataset` (for predict.py): new inputs, pre-processed
+  as validation samples are, each with its name: here (image tensor, file path) for every
+  image file under the folder `source`.
 
 Rules that keep distributed training correct:
 - `__getitem__` returns fresh tensors, never an object the dataset keeps.
@@ -89,6 +92,36 @@ def joint_transform(image_size: int, augment: bool) -> v2.Transform:
     return v2.Compose(
         [*steps, v2.ToDtype({tv_tensors.Image: torch.float32, "others": None}, scale=True), v2.Normalize(MEAN, STD)]
     )
+
+
+def build_predict_set(cfg, source: str) -> Dataset:
+    """Every image file under the folder `source` (its sub-folders too), in sorted path
+    order, resized and normalised as validation images are; a sample is (image, its path)."""
+    from torchvision.datasets.folder import IMG_EXTENSIONS
+
+    folder = Path(source)
+    if not folder.is_dir():
+        raise DataError(f"--inputs: {source!r} is not a folder; give the folder that holds the images to predict")
+    files = sorted(str(p) for p in folder.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS and p.is_file())
+    if not files:
+        raise DataError(f"--inputs: {source!r} holds no image files ({', '.join(IMG_EXTENSIONS)}); add some")
+    return ImagePaths(files, joint_transform(cfg.data.image_size, augment=False))
+
+
+class ImagePaths(Dataset):
+    """Image files by path: (image, path) samples; the paths in one numpy byte-string array."""
+
+    def __init__(self, paths: list[str], transform):
+        self.paths = np.array([os.fsencode(path) for path in paths])
+        self.transform = transform
+
+    def __len__(self):
+        return len(self.paths)
+
+    def __getitem__(self, index):
+        path = os.fsdecode(self.paths[index])
+        image = tv_tensors.Image(torch.from_numpy(np.array(read_image(Path(path), "RGB"))).permute(2, 0, 1))
+        return self.transform(image).as_subclass(torch.Tensor), path
 
 
 class SyntheticShapes(Dataset):

@@ -12,6 +12,10 @@ What train.py and evaluate.py use from here:
   the validation metrics (engine.metrics: `Mean`, `Sum`, or `Gathered`), updated batch by
   batch; each is reported as `val_<name>`, exact over the whole validation set on any
   number of processes.
+- `predict_step(model, batch) -> [result, ...]` (for predict.py): one result per input of
+  a batch from data.py's `build_predict_set`, each a dict that JSON can write.
+- `model_inputs(batch) -> tuple` (for export.py --program): what `model(...)` takes for a
+  batch, from which torch.export traces the model.
 - `BLOCKS`: the repeated blocks of the model, the units that train.activation_checkpointing
   recomputes and that FSDP shards.
 
@@ -79,6 +83,28 @@ def validation_step(model: nn.Module, batch, metrics: dict) -> None:
     metrics["loss"].update((losses * valid).sum(dim=(1, 2)) / valid.sum(dim=(1, 2)).clamp(min=1))
     # The batch's confusion matrix, a total over its pixels: count= says it is not one row per image.
     metrics["confusion"].update(confusion_matrix(logits.argmax(dim=1), masks, logits.shape[1]), count=len(images))
+
+
+def predict_step(model: nn.Module, batch) -> list[dict]:
+    images, paths = batch
+    masks = model(images)["out"].argmax(dim=1).cpu()
+    # The predicted mask at data.image_size, row by row as [class, run length] pairs.
+    return [
+        {"input": path, "size": list(mask.shape), "mask_runs": run_lengths(mask)}
+        for path, mask in zip(paths, masks, strict=True)
+    ]
+
+
+def run_lengths(mask: torch.Tensor) -> list[list[int]]:
+    flat = mask.flatten()
+    starts = torch.cat([torch.tensor([0]), torch.nonzero(flat[1:] != flat[:-1]).flatten() + 1])
+    lengths = torch.diff(starts, append=torch.tensor([flat.numel()]))
+    return [[value, length] for value, length in zip(flat[starts].tolist(), lengths.tolist(), strict=True)]
+
+
+def model_inputs(batch) -> tuple:
+    images, _ = batch
+    return (images,)
 
 
 def confusion_matrix(predicted: torch.Tensor, target: torch.Tensor, num_classes: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ from conftest import (
     assert_one_epoch_trains_on_one_process,
     assert_resume_is_bitwise,
     evaluate_on_1_2_and_3_processes,
+    predict_on_1_and_2_processes,
     read_metrics,
     run_script,
 )
@@ -61,6 +62,15 @@ def test_evaluation_gives_the_same_metrics_on_1_2_and_3_processes(tmp_path):
     results = evaluate_on_1_2_and_3_processes(SMALL_TASK, tmp_path)
     assert results[0]["num_samples"] == 101
     assert results[1] == results[0] and results[2] == results[0]
+
+
+def test_predict_gives_one_result_per_image_alike_on_1_and_2_processes(tmp_path):
+    """predict.py on image files of any size: the task's own pre-processing and predict_step."""
+    rows = predict_on_1_and_2_processes(SMALL_TASK, tmp_path)
+    for row in rows:
+        height, width = row["size"]
+        assert sum(length for _, length in row["mask_runs"]) == height * width, row
+        assert all(0 <= label < 4 for label, _ in row["mask_runs"]), row
 
 
 @pytest.mark.parametrize("nproc", [None, 2])

@@ -1,0 +1,195 @@
+"""Run a trained model on new inputs: one JSON line per input, in the inputs' order.
+
+  python predict.py --checkpoint runs/default/checkpoints/best.pt --inputs photos/ --out predictions.jsonl
+  torchrun --nproc_per_node=4 predict.py --checkpoint export/model.pt2 --inputs photos/ --out predictions.jsonl
+
+--checkpoint: a training checkpoint (a .pt file{% if cookiecutter.fsdp %}, or a sharded checkpoint's folder{% endif %}), or a
+file export.py wrote (model.pt, model.safetensors, or the program model.pt2) with its
+model.yaml beside it. --inputs: what data.py's `build_predict_set` reads (this example: a
+folder of images), pre-processed as validation samples are; model.py's `predict_step`
+makes each input's result. Key=value overrides apply to the model's settings (e.g.
+train.eval_batch_size=64 train.num_workers=8).
+
+Each process holds the whole model and predicts whole batches, dealt as evaluation deals
+them; rank 0 then joins the processes' lines in input order. A batch holds the same
+inputs on any number of processes, so the file is the same, to the bit, on any number.
+"""
+
+import argparse
+import json
+import logging
+from pathlib import Path
+
+import safetensors.torch
+import torch
+from torch.distributed.elastic.multiprocessing.errors import record
+
+import data
+import model as task
+from data import DataConfig
+from engine.checkpoint import atomic_write, load_checkpoint, load_model_state, load_model_weights, load_plain
+from engine.config import load_config
+from engine.distributed import cleanup_distributed, init_distributed_mode, is_main, stop_all_if_any_fails
+from engine.errors import TaskError, UsageError
+from engine.loader import build_val_loader, move_to_device
+from engine.logs import report_errors
+from engine.precision import autocast
+from engine.preemption import leave_stop_signals_to_the_rank
+from model import ModelConfig, build_model
+from recipe import OptimConfig
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint, or export.py's .pt, .safetensors or .pt2")
+    parser.add_argument("--inputs", required=True, help="the new inputs, as data.py's build_predict_set reads them")
+    parser.add_argument("--out", required=True, help="the JSON-lines file to write (must not exist yet)")
+    parser.add_argument("--config", default=None, help="YAML config (default: the one saved with the model)")
+    parser.add_argument("overrides", nargs="*", metavar="section.key=value")
+    return parser.parse_args(argv)
+
+
+@record
+@report_errors
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    source, out = Path(args.checkpoint), Path(args.out)
+    if out.exists():  # it may be last week's predictions: never overwrite
+        raise UsageError(f"{str(out)!r} already exists; choose another --out or remove it first")
+    build_predict_set, predict_step = task_hooks()
+    sections = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig}
+    cfg = load_config(args.config or saved_settings(source), args.overrides, base=saved_config(source), **sections)
+    env, device = init_distributed_mode(cfg.dist)
+    share = out.parent / f".{out.name}.rank{env.rank}.tmp"  # this rank's lines, joined by rank 0
+    try:
+        with stop_all_if_any_fails(device):
+            inputs = build_predict_set(cfg, args.inputs)
+            model = load_predictor(source, cfg, device)
+            out.parent.mkdir(parents=True, exist_ok=True)
+        hooks = {"collate_fn": getattr(data, "collate_fn", None), "worker_init_fn": leave_stop_signals_to_the_rank}
+        with build_val_loader(inputs, cfg, env, device, **hooks) as loader:
+            with stop_all_if_any_fails(device):
+                predict_own_batches(model, loader, predict_step, share, device, cfg.train.precision)
+            with stop_all_if_any_fails(device):  # every rank waits here until rank 0 has read the shares
+                if is_main():
+                    join_shares(out, loader.batch_sampler, env.world_size)
+        if is_main():
+            print(f"wrote {out}: {len(inputs)} predictions, one JSON line per input", flush=True)
+    finally:
+        share.unlink(missing_ok=True)
+        cleanup_distributed()
+
+
+def task_hooks():
+    """data.py's build_predict_set and model.py's predict_step, or one line on what to add."""
+    for module, name, what in (
+        (data, "build_predict_set", "build_predict_set(cfg, source) returning the new inputs as a dataset"),
+        (task, "predict_step", "predict_step(model, batch) returning one result per input"),
+    ):
+        if not callable(getattr(module, name, None)):
+            raise UsageError(f"{module.__name__}.py has no {name}; add {what} (docs/task.md shows one)")
+    return data.build_predict_set, task.predict_step
+
+
+EXPORTED = (".pt2", ".safetensors")  # export.py's suffixes; its .pt counts when model.yaml is beside it
+
+
+def is_export(source: Path) -> bool:
+    return source.suffix in EXPORTED or (source.suffix == ".pt" and source.with_suffix(".yaml").is_file())
+
+
+def saved_settings(source: Path) -> Path | None:
+    """An export's model.yaml, the settings that build its model; None for a checkpoint."""
+    if not is_export(source):
+        return None
+    settings = source.with_suffix(".yaml")
+    if not settings.is_file():
+        raise UsageError(
+            f"{str(settings)!r} is missing: export.py writes it beside {source.name}, with the settings that build "
+            "the model; copy it there, or give --config"
+        )
+    return settings
+
+
+def saved_config(source: Path) -> dict | None:
+    """A checkpoint's own settings (its weights are read later); None for an export."""
+    return None if is_export(source) else load_checkpoint(source, tensors=False).get("config")
+
+
+def load_predictor(source: Path, cfg, device: torch.device) -> torch.nn.Module:
+    if source.suffix == ".pt2":
+        return load_program(source).to(device)
+    if source.suffix == ".safetensors":
+        try:
+            weights = safetensors.torch.load_file(source)
+        except Exception as error:  # noqa: BLE001
+            raise UsageError(f"cannot read {str(source)!r} as safetensors ({error}); export it again") from None
+    elif is_export(source):
+        weights = load_plain(source)
+    else:
+        weights, _ = load_model_state(source)
+    model = build_model(cfg)
+    load_model_weights(model, weights, str(source))
+    return model.to(device).eval()
+
+
+def load_program(source: Path) -> torch.nn.Module:
+    """A torch.export program as a module (traced in eval mode); torch's own log of why a
+    file would not load is a traceback, kept quiet here for the one line below."""
+    log = logging.getLogger("torch.export")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return torch.export.load(source).module()
+    except Exception as error:  # noqa: BLE001  a missing, truncated or foreign file alike
+        raise UsageError(f"cannot load {str(source)!r} as a torch.export program ({error}); export again") from None
+    finally:
+        log.setLevel(level)
+
+
+def predict_own_batches(model, loader, predict_step, share: Path, device, precision: str) -> None:
+    """This rank's batches' results, one JSON line each, into `share`."""
+    plan = loader.batch_sampler
+    with open(share, "w", encoding="utf-8") as lines, torch.no_grad():
+        for batch_id, batch in zip(plan.batch_ids, loader, strict=True):
+            with autocast(precision, device):
+                results = predict_step(model, move_to_device(batch, device))
+            if not isinstance(results, list | tuple) or len(results) != plan.samples_in(batch_id):
+                got = f"{len(results)} result(s)" if isinstance(results, list | tuple) else type(results).__name__
+                raise TaskError(
+                    f"predict_step returned {got} for a batch of {plan.samples_in(batch_id)} inputs; "
+                    "return a list with one result per input"
+                )
+            for result in results:
+                lines.write(as_json(result) + "\n")
+
+
+def as_json(result) -> str:
+    try:
+        return json.dumps(result)
+    except (TypeError, ValueError) as error:
+        raise TaskError(
+            f"predict_step's result {str(result)[:80]!r} is not JSON ({error}); return numbers, strings, lists and "
+            "dicts (a tensor's .item() or .tolist())"
+        ) from None
+
+
+def join_shares(out: Path, plan, world_size: int) -> None:
+    """Rank r's share holds batches r, r + N, ...: read them back in batch order."""
+    shares = [open(out.parent / f".{out.name}.rank{rank}.tmp", encoding="utf-8") for rank in range(world_size)]
+    try:
+
+        def write(file) -> None:
+            for batch_id in range(plan.num_batches):
+                share = shares[batch_id % world_size]
+                for _ in range(plan.samples_in(batch_id)):
+                    file.write(share.readline().encode())
+
+        atomic_write(out.parent, out.name, write)
+    finally:
+        for share in shares:
+            share.close()
+
+
+if __name__ == "__main__":
+    main()

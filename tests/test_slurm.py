@@ -106,6 +106,31 @@ def test_shipped_sbatch_script_trains(slurm, project, tmp_path):
     assert "training on 2 process(es)" in log and "epoch 0:" in log
 
 
+def test_a_job_array_trains_one_combination_of_a_grid_per_task(slurm, project, tmp_path):
+    """sbatch --array with the shipped script: each task asks sweep.py for its settings and
+    output_dir; the table shows both runs."""
+    grid = ["--out", str(tmp_path / "grid"), *FAST, "train.epochs=1", "optim.lr=0.05,0.1"]
+    one_task = ["--nodes=1", "--ntasks-per-node=1", "--cpus-per-task=1"]
+    result = subprocess.run(
+        ["sbatch", "--wait", "--parsable", "--array=0-1", *one_task, "scripts/slurm/train.sbatch", *grid],
+        cwd=project,
+        env={**slurm, **NO_GPU},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    logs = [log.read_text() for log in sorted(project.glob("slurm-*.out"))]
+    tasks = [log for log in logs if "(array task " in log and str(tmp_path) in log]
+    assert result.returncode == 0 and len(tasks) == 2, result.stderr + "".join(tasks)
+    assert all("training on 1 process(es)" in log and "epoch 0:" in log for log in tasks), "".join(tasks)
+    shown = subprocess.run(
+        ["python", "sweep.py", "--table", *grid], cwd=project, env=slurm, capture_output=True, text=True, timeout=60
+    )
+    rows = [row.split() for row in shown.stdout.splitlines()[1:]]
+    assert [row[0] for row in rows] == ["optim.lr=0.05", "optim.lr=0.1"], shown.stdout + shown.stderr
+    assert all(row[1] == "val_acc" and 0 < float(row[2]) <= 1 for row in rows), shown.stdout
+
+
 def submit(project, slurm, sbatch_options, args) -> str:
     submitted = subprocess.run(
         ["sbatch", "--parsable", *ONE_NODE_TWO_TASKS, *sbatch_options, "scripts/slurm/train.sbatch", *args],

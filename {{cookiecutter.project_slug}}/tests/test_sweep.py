@@ -20,9 +20,12 @@ def sweep(out, *settings) -> subprocess.CompletedProcess:
     return subprocess.run(command, cwd=project, env=clean_env(), capture_output=True, text=True, timeout=600)
 
 
+RUN_NAMES = [f"optim.lr={lr},model.hidden_dim={width}" for lr in ("0.05", "0.1") for width in ("16", "32")]
+
+
 def test_a_2x2_grid_finishes_four_runs_resumes_one_stopped_midway_and_ends_with_their_table(tmp_path):
     out = tmp_path / "sweep"
-    names = [f"optim.lr={lr},model.hidden_dim={width}" for lr in ("0.05", "0.1") for width in ("16", "32")]
+    names = RUN_NAMES
     stopped = [*FIXED, "optim.lr=0.1", "model.hidden_dim=16", f"output_dir={out / names[2]}", "train.stop_at_step=3"]
     assert "stopped at step 3" in run_script("train.py", stopped).stdout  # as a sweep stopped midway leaves it
 
@@ -39,6 +42,23 @@ def test_a_2x2_grid_finishes_four_runs_resumes_one_stopped_midway_and_ends_with_
         _, metric, value, step, ended = row.split()
         assert metric == "val_acc" and 0 < float(value) <= 1 and step in ("8", "16") and ended == "ok"
     assert load_checkpoint(out / names[2] / "checkpoints" / "last.pt")["step"] == 16
+
+    shown = sweep(out, "--table", "optim.lr=0.05,0.1,0.2", *GRID[1:], *FIXED)  # a larger grid: runs nothing
+    rows = [row.split() for row in shown.stdout.strip().splitlines()[1:]]
+    assert [row[:-1] for row in rows[:4]] == [row.split()[:-1] for row in table[1:]]  # as the sweep left them
+    assert [row[-1] for row in rows[:4]] == ["-"] * 4 and [row[-2:] for row in rows[4:]] == [["not", "started"]] * 2
+
+
+def test_each_run_of_a_grid_by_its_number_for_a_slurm_job_array(tmp_path):
+    listed = sweep(tmp_path, "--list", *GRID, "train.epochs=3").stdout.splitlines()
+    assert listed == [f"{k}  {tmp_path}/{name}" for k, name in enumerate(RUN_NAMES)]
+    for number, name in enumerate(RUN_NAMES):
+        shown = sweep(tmp_path, "--print-run", str(number), *GRID, "train.epochs=3")
+        lr, width = (part.split("=")[1] for part in name.split(","))
+        expected = ["--config", "config.yaml", f"optim.lr={lr}", f"model.hidden_dim={width}", "train.epochs=3"]
+        assert shown.stdout.splitlines() == [*expected, f"output_dir={tmp_path}/{name}"]
+    beyond = sweep(tmp_path, "--print-run", "4", *GRID)
+    assert beyond.returncode == 2 and beyond.stderr == "error: no run 4: the grid has runs 0 to 3\n"
 
 
 def test_a_setting_without_values_is_one_line(tmp_path):

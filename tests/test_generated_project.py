@@ -47,6 +47,7 @@ SUITE_PARTS = {
         "test_run_record.py",
         "test_sweep.py",
         "test_metrics.py",
+        "test_throughput.py",
         "test_profiling.py",
         "test_pretrained.py",
         "test_divergence.py",

@@ -27,6 +27,7 @@ from engine.divergence import NonFiniteGuard
 from engine.errors import TaskError, UsageError
 from engine.parts import Part
 from engine.precision import autocast
+from engine.throughput import Throughput
 
 FULL = StateDictOptions(full_state_dict=True)
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -266,23 +267,26 @@ class EpochStats:
     """The losses since the last evaluation (an epoch's, unless train.eval_every_steps),
     summed on the device (no host sync per step), and their clock."""
 
-    def __init__(self, device: torch.device):
+    def __init__(self, device: torch.device, throughput: Throughput | None = None):
         self.device = device
+        self.throughput = throughput or Throughput(device=device)  # the task's items, the MFU
         self.reset()
 
     def reset(self) -> None:
         self.loss_sums = {"loss": torch.zeros((), device=self.device)}  # and named losses, once seen
         self.micro_batches = 0
+        self.throughput.reset()
         self.start = time.perf_counter()
         self.step_ends = [self.start]  # host clock at each optimizer step: no device sync needed
 
-    def add(self, losses: dict[str, torch.Tensor]) -> None:
+    def add(self, losses: dict[str, torch.Tensor], batch=None) -> None:
         for name, loss in losses.items():
             if name in self.loss_sums:
                 self.loss_sums[name] += loss
             else:
                 self.loss_sums[name] = loss.float().clone()
         self.micro_batches += 1
+        self.throughput.add(batch)
 
     def step_done(self) -> None:
         self.step_ends.append(time.perf_counter())
@@ -294,12 +298,13 @@ class EpochStats:
         names = list(self.loss_sums)
         sums = [self.loss_sums[name].double() for name in names]
         count = torch.tensor(float(self.micro_batches), dtype=torch.float64, device=sums[0].device)
-        totals = all_reduce_sum(torch.stack([*sums, count])).tolist()
-        micro_batches = totals[-1] or math.nan  # none: the epoch was trained by the run before (then NaN)
+        *totals, micro_batches, items = all_reduce_sum(torch.stack([*sums, count, self.throughput.items])).tolist()
         step_times = [b - a for a, b in itertools.pairwise(self.step_ends)]
         return {
-            **{f"train_{name}": total / micro_batches for name, total in zip(names, totals[:-1], strict=True)},
-            "samples_per_s": totals[-1] * batch_size / max(elapsed, 1e-9),
+            # No micro-batches: the epoch was trained by the run before (then NaN).
+            **{f"train_{name}": total / (micro_batches or math.nan) for name, total in zip(names, totals, strict=True)},
+            "samples_per_s": micro_batches * batch_size / max(elapsed, 1e-9),
+            **self.throughput.figures(items, self.micro_batches, elapsed),
             "step_time_median_s": statistics.median(step_times) if step_times else 0.0,
             "train_time_s": elapsed,
         }

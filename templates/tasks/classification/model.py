@@ -16,6 +16,8 @@ What train.py and evaluate.py use from here:
   a batch from data.py's `build_predict_set`, each a dict that JSON can write.
 - `model_inputs(batch) -> tuple` (for export.py --program): what `model(...)` takes for a
   batch, from which torch.export traces the model.
+- `count_items(batch) -> (unit, count)` (optional): the batch's size in the task's own
+  unit, reported per second beside samples (here pixels; tokens for a language model).
 - `BLOCKS`: the repeated blocks of the model, the units that train.activation_checkpointing
   recomputes and that FSDP shards.
 
@@ -100,6 +102,11 @@ def validation_step(model: nn.Module, batch, metrics: dict) -> None:
     logits = model(images).float()
     metrics["loss"].update(F.cross_entropy(logits, labels, reduction="none"))
     metrics["acc"].update((logits.argmax(dim=1) == labels).float())
+
+
+def count_items(batch) -> tuple[str, int]:
+    images, _ = batch
+    return "pixels", images.shape[0] * images.shape[-2] * images.shape[-1]
 
 
 def predict_step(model: nn.Module, batch) -> list[dict]:

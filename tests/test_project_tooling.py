@@ -1,6 +1,10 @@
 """The baked project as a well-kept Python project: lint, CI workflow, pre-commit,
 optional parts, recorded answers (replay, cruft), hygiene. And this repo's own lint."""
 
+import base64
+import functools
+import hashlib
+import http.server
 import itertools
 import json
 import os
@@ -9,6 +13,8 @@ import shutil
 import stat
 import subprocess
 import sys
+import threading
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -191,3 +197,61 @@ def test_line_endings_and_executable_scripts(baked):
 def test_template_repo_passes_its_own_lint():
     run(["ruff", "check", "."], TEMPLATE)
     run(["ruff", "format", "--check", "."], TEMPLATE)
+
+
+def test_uv_takes_torchs_cpu_or_cuda_build_by_the_extra_named(tmp_path):
+    """The baked pyproject's [tool.uv] settings, with PyTorch's two indexes stood in for by
+    local ones (download.pytorch.org is out of reach here) holding stand-in wheels:
+    `--extra cpu` and `--extra cu130` each take their build of torch and torchvision from
+    their index, neither takes PyPI's, and both at once are refused."""
+    project = bake(tmp_path / "bake")
+    indexes = tmp_path / "indexes"
+    for build in ("cpu", "cu130"):
+        stand_in_wheel(indexes / build, "torch", f"2.14.1+{build}")
+        stand_in_wheel(indexes / build, "torchvision", f"0.29.1+{build}", requires=["torch==2.14.1"])
+    pyproject = project / "pyproject.toml"
+    assert pyproject.read_text().count("https://download.pytorch.org/whl/") == 2
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(indexes))
+    )
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        local = f"http://127.0.0.1:{server.server_address[1]}/"
+        pyproject.write_text(pyproject.read_text().replace("https://download.pytorch.org/whl/", local))
+        env = {**TOOLS_ENV, "UV_CACHE_DIR": str(tmp_path / "uv-cache")}
+        uv = [str(BIN / "uv"), "--no-progress"]
+        locked = subprocess.run([*uv, "lock"], cwd=project, env=env, capture_output=True, text=True, timeout=300)
+        assert locked.returncode == 0, locked.stderr[-3000:]
+        for extra in ("cpu", "cu130"):
+            export = [*uv, "export", "--frozen", "--no-hashes", "--extra", extra, "--extra", "dev"]
+            listed = subprocess.run(export, cwd=project, env=env, capture_output=True, text=True, timeout=60).stdout
+            torch_lines = sorted(line for line in listed.splitlines() if line.startswith(("torch==", "torchvision==")))
+            assert torch_lines == [f"torch==2.14.1+{extra}", f"torchvision==0.29.1+{extra}"], listed
+        both = [*uv, "sync", "--frozen", "--dry-run", "--extra", "cpu", "--extra", "cu130"]
+        refused = subprocess.run(both, cwd=project, env=env, capture_output=True, text=True, timeout=60)
+        assert refused.returncode != 0 and "incompatible" in refused.stderr, refused.stderr
+    finally:
+        server.shutdown()
+
+
+def stand_in_wheel(index: Path, name: str, version: str, requires=()) -> None:
+    """A wheel that holds only its metadata, listed in a PEP 503 page at index/name/."""
+    dist_info = f"{name}-{version}.dist-info"
+    files = {
+        f"{name}/__init__.py": "",
+        f"{dist_info}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n"
+        + "".join(f"Requires-Dist: {requirement}\n" for requirement in requires),
+        f"{dist_info}/WHEEL": "Wheel-Version: 1.0\nGenerator: tests\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    record = [f"{path},sha256={digest(text)},{len(text)}" for path, text in files.items()]
+    files[f"{dist_info}/RECORD"] = "\n".join([*record, f"{dist_info}/RECORD,,"]) + "\n"
+    wheel = index / name / f"{name}-{version}-py3-none-any.whl"
+    wheel.parent.mkdir(parents=True)
+    with zipfile.ZipFile(wheel, "w") as archive:
+        for path, text in files.items():
+            archive.writestr(path, text)
+    (wheel.parent / "index.html").write_text(f'<a href="{wheel.name}">{wheel.name}</a>\n')
+
+
+def digest(text: str) -> str:
+    return base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=").decode()

@@ -58,13 +58,15 @@ def main(argv=None) -> None:
         raise UsageError(f"{str(out)!r} already exists; choose another --out or remove it first")
     build_predict_set, predict_step = task_hooks()
     sections = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig}
-    cfg = load_config(args.config or saved_settings(source), args.overrides, base=saved_config(source), **sections)
+    ckpt = None if is_export(source) else load_checkpoint(source, tensors=False)  # a file's weights too
+    base = ckpt.get("config") if ckpt else None
+    cfg = load_config(args.config or saved_settings(source), args.overrides, base=base, **sections)
     env, device = init_distributed_mode(cfg.dist)
     share = out.parent / f".{out.name}.rank{env.rank}.tmp"  # this rank's lines, joined by rank 0
     try:
         with stop_all_if_any_fails(device):
             inputs = build_predict_set(cfg, args.inputs)
-            model = load_predictor(source, cfg, device)
+            model = load_predictor(source, ckpt, cfg, device)
             out.parent.mkdir(parents=True, exist_ok=True)
         hooks = {"collate_fn": getattr(data, "collate_fn", None), "worker_init_fn": leave_stop_signals_to_the_rank}
         with build_val_loader(inputs, cfg, env, device, **hooks) as loader:
@@ -111,12 +113,9 @@ def saved_settings(source: Path) -> Path | None:
     return settings
 
 
-def saved_config(source: Path) -> dict | None:
-    """A checkpoint's own settings (its weights are read later); None for an export."""
-    return None if is_export(source) else load_checkpoint(source, tensors=False).get("config")
-
-
-def load_predictor(source: Path, cfg, device: torch.device) -> torch.nn.Module:
+def load_predictor(source: Path, ckpt: dict | None, cfg, device: torch.device) -> torch.nn.Module:
+    """The model in eval mode: an export's program, or the model of cfg holding the weights
+    of an export's file or of a checkpoint (`ckpt`: what load_checkpoint read of it)."""
     if source.suffix == ".pt2":
         return load_program(source).to(device)
     if source.suffix == ".safetensors":
@@ -124,10 +123,10 @@ def load_predictor(source: Path, cfg, device: torch.device) -> torch.nn.Module:
             weights = safetensors.torch.load_file(source)
         except Exception as error:  # noqa: BLE001
             raise UsageError(f"cannot read {str(source)!r} as safetensors ({error}); export it again") from None
-    elif is_export(source):
+    elif ckpt is None:
         weights = load_plain(source)
-    else:
-        weights, _ = load_model_state(source)
+    else:  # a file's weights were read with its settings; a folder's are read now
+        weights = ckpt["model"] if "model" in ckpt else load_model_state(source)[0]
     model = build_model(cfg)
     load_model_weights(model, weights, str(source))
     return model.to(device).eval()

@@ -1,6 +1,7 @@
 """The generated project's own CI steps, run inside a freshly baked project: its lint,
 read from its .github/workflows/ci.yml, and its whole test suite, in parts.
-The default bake and the bake without parts (with the second task) run it all. Each other
+The default bake runs it all; the bake without parts (with the second task) runs all but
+the faults part, whose code is the same in both bakes (checked below). Each other
 task's project lints and passes its task's tests and the config tests (which check its
 config.yaml); its machinery and the machinery's tests are the same files as the default
 project's, which pass in full."""
@@ -77,8 +78,19 @@ def test_generated_project_lints_and_its_ci_runs_the_whole_suite(tmp_path, answe
     assert (listed if not answers else sorted(set(listed) & set(test_files))) == test_files
 
 
-@pytest.mark.parametrize("answers", BAKES.values(), ids=BAKES.keys())
-@pytest.mark.parametrize("part", SUITE_PARTS.values(), ids=SUITE_PARTS.keys())
+# The faults part runs on the default bake only: it runs train.py on the reference task,
+# and every file it runs is the same in the bake without parts, which would repeat it on
+# the same code with fewer parts loaded (the next test keeps that true). The bake without
+# parts runs every other part, and its own CI runs the whole suite.
+SUITE_RUNS = [
+    pytest.param(part, answers, id=f"{part_name}-{bake_name}")
+    for part_name, part in SUITE_PARTS.items()
+    for bake_name, answers in BAKES.items()
+    if not (part_name == "faults" and answers)
+]
+
+
+@pytest.mark.parametrize(("part", "answers"), SUITE_RUNS)
 def test_generated_project_passes_its_own_suite(tmp_path, part, answers):
     project = bake(tmp_path, project_name="Suite Check", **answers)
     names = [name for name in part if (project / "tests" / name).is_file()]  # a part left out takes its tests
@@ -86,6 +98,22 @@ def test_generated_project_passes_its_own_suite(tmp_path, part, answers):
     result = subprocess.run(command, cwd=project, env=TOOLS_ENV, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, f"{part}:\n{result.stdout[-6000:]}{result.stderr[-3000:]}"
     assert " passed" in result.stdout.splitlines()[-1] and " failed" not in result.stdout.splitlines()[-1]
+
+
+def test_the_faults_tests_run_the_same_code_in_the_bake_without_parts(tmp_path):
+    """What lets the faults part run once: train.py, the machinery, the reference task, the
+    rank server and test_faults.py are the same files in both bakes, and the tests' conftest
+    differs only by lines naming a part's settings."""
+    default, without = bake(tmp_path / "default"), bake(tmp_path / "without", **BAKES["without parts"])
+    shared = files(without) & files(default)
+    run = {"train.py", "tests/test_faults.py", "tests/rank_server.py"}
+    run |= {name for name in shared if name.startswith(("engine/", "tests/reference_task/"))}
+    assert run <= shared and not changed(without, default) & run, sorted(changed(without, default) & run)
+    old, new = ((project / "tests" / "conftest.py").read_text().splitlines() for project in (default, without))
+    removed = [line for line in old if line not in new]
+    assert [line for line in new if line not in old] == [] and removed == [
+        '    "tracking.tensorboard=false",  # the tests that read the curves turn it on'
+    ]
 
 
 def test_the_quick_subset_selects_config_data_and_a_one_process_run_of_the_task(tmp_path):

@@ -50,7 +50,9 @@ def test_evaluate_exits_clean_under_torchrun(checkpoint, nproc):
         assert '"num_samples": 101' in result.stdout  # rank 0's one line: every sample once
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
+# export.py and predict.py on 3 processes, where a teardown race showed most (evaluate.py's,
+# in 4 runs of 10); on 2 their rank 0 writes as on 3.
+@pytest.mark.parametrize("nproc", [3])
 def test_export_exits_clean_under_torchrun(checkpoint, tmp_path, nproc):
     for run in range(RUNS):
         out = tmp_path / f"model{run}.pt"
@@ -60,7 +62,7 @@ def test_export_exits_clean_under_torchrun(checkpoint, tmp_path, nproc):
         assert out.is_file() and result.stdout.count("wrote ") == 1  # rank 0 writes; the others wait
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
+@pytest.mark.parametrize("nproc", [3])
 def test_predict_exits_clean_under_torchrun(checkpoint, tmp_path, nproc):
     photos = tmp_path / "photos"
     photos.mkdir()

@@ -155,7 +155,6 @@ def test_own_checkpoints_hold_no_unsafe_globals(tmp_path):
 @pytest.mark.parametrize(
     "target, sig, workers",
     [
-        ("agent", signal.SIGTERM, 0),
         ("worker", signal.SIGUSR1, 0),
         ("agent", signal.SIGINT, 0),
         # torchrun signals each rank's process group, SLURM each task's: DataLoader workers too

@@ -1,11 +1,13 @@
 """The generated project's own CI steps, run inside a freshly baked project: its lint,
 read from its .github/workflows/ci.yml, and its whole test suite, in parts.
-The default bake runs it all; the bake without parts (with the second task) runs all but
-the faults part, whose code is the same in both bakes (checked below). Each other
+The default bake runs it all; the bake without parts (with the second task) runs its task's
+tests and its entry points (WITHOUT_PARTS_RUNS), its other code being the default bake's
+(checked below). Each other
 task's project lints and passes its task's tests and the config tests (which check its
 config.yaml); its machinery and the machinery's tests are the same files as the default
 project's, which pass in full."""
 
+import ast
 import filecmp
 import subprocess
 
@@ -21,20 +23,15 @@ TASK_FILES = {"model.py", "data.py", "config.yaml", "README.md", "pyproject.toml
 SUITE_PARTS = {
     "faults": ["test_faults.py"],
     "task and exactness": ["test_task.py", "test_exactness.py", "test_data.py", "test_config.py"],
-    "training and launch": [
-        "test_train.py",
-        "test_task_interface.py",
-        "test_launch.py",
-        "test_entry_points.py",
-        "test_launcher.py",
-    ],
-    "memory, fsdp and streams": [
+    "training and launch": ["test_train.py", "test_task_interface.py", "test_launch.py", "test_launcher.py"],
+    "memory, fsdp, streams and entry points": [
         "test_memory.py",
         "test_fsdp.py",
         "test_fsdp_tied.py",
         "test_common_changes.py",
         "test_streaming.py",
         "test_predict.py",
+        "test_entry_points.py",
     ],
     "daily loop and units": [
         "test_trackers.py",
@@ -58,6 +55,11 @@ SUITE_PARTS = {
         "test_no_data_lost.py",
     ],
 }
+# What the bake without parts runs of it: its own task's tests, and training, evaluation and
+# every entry point under real torchrun with no part loaded. Its other tests would run the
+# same code as the default bake's (checked below: the two bakes share every other Python
+# file, up to text), with fewer parts loaded; its own CI runs them all.
+WITHOUT_PARTS_RUNS = ("task and exactness", "memory, fsdp, streams and entry points")
 
 
 # The bake without parts carries the second example task: its own suite then runs that task's
@@ -78,15 +80,11 @@ def test_generated_project_lints_and_its_ci_runs_the_whole_suite(tmp_path, answe
     assert (listed if not answers else sorted(set(listed) & set(test_files))) == test_files
 
 
-# The faults part runs on the default bake only: it runs train.py on the reference task,
-# and every file it runs is the same in the bake without parts, which would repeat it on
-# the same code with fewer parts loaded (the next test keeps that true). The bake without
-# parts runs every other part, and its own CI runs the whole suite.
 SUITE_RUNS = [
     pytest.param(part, answers, id=f"{part_name}-{bake_name}")
     for part_name, part in SUITE_PARTS.items()
     for bake_name, answers in BAKES.items()
-    if not (part_name == "faults" and answers)
+    if not answers or part_name in WITHOUT_PARTS_RUNS
 ]
 
 
@@ -100,20 +98,29 @@ def test_generated_project_passes_its_own_suite(tmp_path, part, answers):
     assert " passed" in result.stdout.splitlines()[-1] and " failed" not in result.stdout.splitlines()[-1]
 
 
-def test_the_faults_tests_run_the_same_code_in_the_bake_without_parts(tmp_path):
-    """What lets the faults part run once: train.py, the machinery, the reference task, the
-    rank server and test_faults.py are the same files in both bakes, and the tests' conftest
-    differs only by lines naming a part's settings."""
+def test_the_bake_without_parts_shares_the_default_bakes_code_but_its_task_and_parts(tmp_path):
+    """What lets the bake without parts skip some parts of its suite: every Python file both
+    bakes have, but the task's own, is the same code in both (strings aside: docstrings,
+    help texts), and the tests' conftest differs only by lines naming a part's settings."""
     default, without = bake(tmp_path / "default"), bake(tmp_path / "without", **BAKES["without parts"])
-    shared = files(without) & files(default)
-    run = {"train.py", "tests/test_faults.py", "tests/rank_server.py"}
-    run |= {name for name in shared if name.startswith(("engine/", "tests/reference_task/"))}
-    assert run <= shared and not changed(without, default) & run, sorted(changed(without, default) & run)
+    task_files = {"model.py", "data.py", "tests/test_task.py", "tests/test_data.py", "tests/conftest.py"}
+    shared = {name for name in files(without) & files(default) if name.endswith(".py")} - task_files
+    assert {"train.py", "evaluate.py", "predict.py", "engine/training.py", "tests/test_train.py"} <= shared
+    assert [name for name in sorted(shared) if code(default / name) != code(without / name)] == []
     old, new = ((project / "tests" / "conftest.py").read_text().splitlines() for project in (default, without))
     removed = [line for line in old if line not in new]
     assert [line for line in new if line not in old] == [] and removed == [
         '    "tracking.tensorboard=false",  # the tests that read the curves turn it on'
     ]
+
+
+def code(path) -> str:
+    """A Python file's syntax tree with every string emptied."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            node.value = ""
+    return ast.dump(tree)
 
 
 def test_the_quick_subset_selects_config_data_and_a_one_process_run_of_the_task(tmp_path):

@@ -12,7 +12,6 @@ from conftest import FAST, read_metrics, reference_config, reference_task, run_s
 from engine.throughput import Throughput, peak_flops
 
 
-@pytest.mark.quick
 @pytest.mark.parametrize(
     ("configured", "name", "precision", "expected"),
     [
@@ -35,7 +34,6 @@ def test_the_peak_is_the_setting_or_a_listed_gpus_bf16_fp16_figure(configured, n
     assert peak_flops(configured, name, precision) == expected
 
 
-@pytest.mark.quick
 @pytest.mark.parametrize(("batch", "hidden"), [(4, 8), (16, 32)])
 def test_the_flops_counted_are_the_models_forward_and_backward(batch, hidden):
     """The reference MLP (in -> hidden -> hidden -> classes): 2 FLOPs per multiply-add, the

@@ -59,6 +59,8 @@ def main(argv=None) -> None:
         return
     out = Path(args.out)
     files = [out, out.with_suffix(".safetensors"), out.with_suffix(".yaml")] + [out.with_suffix(".pt2")] * args.program
+    if len(set(files)) < len(files):  # e.g. --out model.pt2 with --program: the program would replace the weights
+        raise UsageError(f"--out {str(out)!r} is named as a file written beside it; end it in .pt, e.g. model.pt")
     for path in files:
         if path.exists():  # it may be a checkpoint: never overwrite one
             raise UsageError(f"{str(path)!r} already exists; choose another --out or remove it first")

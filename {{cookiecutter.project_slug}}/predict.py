@@ -11,8 +11,9 @@ makes each input's result. Key=value overrides apply to the model's settings (e.
 train.eval_batch_size=64 train.num_workers=8).
 
 Each process holds the whole model and predicts whole batches, dealt as evaluation deals
-them; rank 0 then joins the processes' lines in input order. A batch holds the same
-inputs on any number of processes, so the file is the same, to the bit, on any number.
+them, into a file beside --out; rank 0 then joins them in input order (on several nodes,
+--out's folder must be one they all see). A batch holds the same inputs on any number of
+processes, so the file is the same, to the bit, on any number.
 """
 
 import argparse
@@ -22,7 +23,9 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
+import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
+from torch.export.passes import move_to_device_pass
 
 import data
 import model as task
@@ -68,6 +71,7 @@ def main(argv=None) -> None:
             inputs = build_predict_set(cfg, args.inputs)
             model = load_predictor(source, ckpt, cfg, device)
             out.parent.mkdir(parents=True, exist_ok=True)
+        check_same_inputs(len(inputs), device)
         hooks = {"collate_fn": getattr(data, "collate_fn", None), "worker_init_fn": leave_stop_signals_to_the_rank}
         with build_val_loader(inputs, cfg, env, device, **hooks) as loader:
             with stop_all_if_any_fails(device):
@@ -80,6 +84,20 @@ def main(argv=None) -> None:
     finally:
         share.unlink(missing_ok=True)
         cleanup_distributed()
+
+
+def check_same_inputs(count: int, device: torch.device) -> None:
+    """Every rank listed the same number of inputs (a folder that changed while the ranks
+    listed it, or differs between nodes, would misalign the joined lines). Every rank must
+    call this."""
+    counts = torch.tensor([count, -count], device=device)
+    if dist.is_initialized():
+        dist.all_reduce(counts, op=dist.ReduceOp.MAX)
+    if int(counts[0]) != -int(counts[1]):
+        raise UsageError(
+            f"--inputs: the processes found from {-int(counts[1])} to {int(counts[0])} inputs; every process must "
+            "see the same inputs (a folder still being written, or different on each node)"
+        )
 
 
 def task_hooks():
@@ -102,6 +120,8 @@ def is_export(source: Path) -> bool:
 
 def saved_settings(source: Path) -> Path | None:
     """An export's model.yaml, the settings that build its model; None for a checkpoint."""
+    if not source.exists():
+        raise UsageError(f"--checkpoint {str(source)!r} not found")
     if not is_export(source):
         return None
     settings = source.with_suffix(".yaml")
@@ -117,7 +137,7 @@ def load_predictor(source: Path, ckpt: dict | None, cfg, device: torch.device) -
     """The model in eval mode: an export's program, or the model of cfg holding the weights
     of an export's file or of a checkpoint (`ckpt`: what load_checkpoint read of it)."""
     if source.suffix == ".pt2":
-        return load_program(source).to(device)
+        return load_program(source, device)
     if source.suffix == ".safetensors":
         try:
             weights = safetensors.torch.load_file(source)
@@ -132,14 +152,15 @@ def load_predictor(source: Path, ckpt: dict | None, cfg, device: torch.device) -
     return model.to(device).eval()
 
 
-def load_program(source: Path) -> torch.nn.Module:
-    """A torch.export program as a module (traced in eval mode); torch's own log of why a
-    file would not load is a traceback, kept quiet here for the one line below."""
+def load_program(source: Path, device: torch.device) -> torch.nn.Module:
+    """A torch.export program as a module on `device` (traced in eval mode; the pass moves
+    its constants too, which .to() leaves behind). torch's own log of why a file would not
+    load is a traceback, kept quiet here for the one line below."""
     log = logging.getLogger("torch.export")
     level = log.level
     log.setLevel(logging.ERROR)
     try:
-        return torch.export.load(source).module()
+        return move_to_device_pass(torch.export.load(source), device).module()
     except Exception as error:  # noqa: BLE001  a missing, truncated or foreign file alike
         raise UsageError(f"cannot load {str(source)!r} as a torch.export program ({error}); export again") from None
     finally:
@@ -165,11 +186,11 @@ def predict_own_batches(model, loader, predict_step, share: Path, device, precis
 
 def as_json(result) -> str:
     try:
-        return json.dumps(result)
+        return json.dumps(result, allow_nan=False)
     except (TypeError, ValueError) as error:
         raise TaskError(
-            f"predict_step's result {str(result)[:80]!r} is not JSON ({error}); return numbers, strings, lists and "
-            "dicts (a tensor's .item() or .tolist())"
+            f"predict_step's result {str(result)[:80]!r} is not JSON ({error}); return finite numbers, strings, "
+            "lists and dicts (a tensor's .item() or .tolist())"
         ) from None
 
 
@@ -182,7 +203,10 @@ def join_shares(out: Path, plan, world_size: int) -> None:
             for batch_id in range(plan.num_batches):
                 share = shares[batch_id % world_size]
                 for _ in range(plan.samples_in(batch_id)):
-                    file.write(share.readline().encode())
+                    line = share.readline()
+                    if not line.endswith("\n"):  # a share cut short: never a file of shifted lines
+                        raise UsageError(f"rank {batch_id % world_size}'s predictions end early; run predict.py again")
+                    file.write(line.encode())
 
         atomic_write(out.parent, out.name, write)
     finally:

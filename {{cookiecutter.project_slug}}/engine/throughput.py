@@ -12,12 +12,16 @@ neither, no FLOPs are counted and no MFU is reported. Recomputed activations
 """
 
 import contextlib
+import re
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from engine.errors import TaskError
+
 # Dense bf16/fp16 tensor-core TFLOPS per GPU (FP32 accumulation), from NVIDIA's data sheets,
-# by a part of torch.cuda.get_device_name(); the first match counts, so longer names first.
+# by a whole word of torch.cuda.get_device_name() (L4 is not L40, A100 not A1000); the first
+# match counts, so longer names first.
 PEAK_TFLOPS = (
     ("B200", 2250.0),
     ("H200", 989.0),
@@ -41,7 +45,7 @@ def peak_flops(configured_tflops: float, device_name: str | None, precision: str
     if device_name is None or precision not in ("bf16", "fp16"):
         return None
     for name, tflops in PEAK_TFLOPS:
-        if name in device_name and not (name == "V100" and precision == "bf16"):
+        if re.search(rf"\b{re.escape(name)}\b", device_name) and not (name == "V100" and precision == "bf16"):
             return tflops * 1e12
     return None
 
@@ -72,8 +76,19 @@ class Throughput:
 
     def add(self, batch) -> None:
         if self.count_items is not None:
-            self.unit, count = self.count_items(batch)
-            self.items += torch.as_tensor(count, device=self.items.device).to(torch.float64)
+            counted = self.count_items(batch)
+            pair = isinstance(counted, tuple) and len(counted) == 2 and isinstance(counted[0], str)
+            try:
+                count = torch.as_tensor(counted[1], device=self.items.device) if pair else None
+            except (TypeError, ValueError, RuntimeError):  # not a number
+                count = None
+            if count is None or count.numel() != 1:
+                raise TaskError(
+                    f"count_items returned {type(counted).__name__} {str(counted)[:60]!r}; return (unit, count) with "
+                    'one number, e.g. ("tokens", mask.sum())'
+                )
+            self.unit = counted[0]
+            self.items += count.to(torch.float64).reshape(())
 
     def reset(self) -> None:
         self.items.zero_()

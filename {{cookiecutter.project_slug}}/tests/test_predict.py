@@ -125,6 +125,7 @@ def test_a_predict_step_that_breaks_its_promise_stops_every_rank_in_one_line(exp
     for mistake, expected in [
         ("    return [{'labels': labels.tolist()}]\n", "predict_step returned 1 result(s) for a batch of 4 inputs"),
         ("    return [{'input': p, 'scores': scores} for p in paths]\n", "is not JSON"),
+        ("    return [{'input': p, 'score': float('nan')} for p in paths]\n", "is not JSON (Out of range float"),
     ]:
         model_py.write_text(model_py.read_text().replace(returns, mistake + returns, 1))
         out = tmp_path / "predictions.jsonl"
@@ -158,3 +159,41 @@ def test_a_task_without_the_hooks_is_told_what_to_add(exported, photos, tmp_path
         assert result.returncode == 2 and len(errors) == 1 and expected in errors[0], result.stderr
         assert not (tmp_path / "out").exists()
         source.write_text(original)
+
+
+def test_processes_that_list_different_inputs_stop_in_one_line(exported, photos, tmp_path):
+    """A folder that changes while the processes list it (or differs between nodes) would
+    misalign the joined lines: the processes compare their counts first."""
+    checkpoint, _ = exported
+    project = tmp_path / "project"
+    shutil.copytree(machinery_project(), project, ignore=shutil.ignore_patterns("__pycache__"))
+    data_py = project / "data.py"
+    patched = data_py.read_text().replace(
+        '    if not files:\n        raise DataError(f"--inputs:',
+        "    files = files[: len(files) - int(os.environ.get('RANK', '0'))]  # rank 1 misses one\n"
+        '    if not files:\n        raise DataError(f"--inputs:',
+        1,
+    )
+    assert patched != data_py.read_text()
+    data_py.write_text(patched)
+    out = tmp_path / "predictions.jsonl"
+    args = ["--checkpoint", checkpoint, "--inputs", photos, "--out", out]
+    result = run_script("predict.py", args, nproc=2, check=False, cwd=project)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 1 and errors == [
+        "error: --inputs: the processes found from 10 to 11 inputs; every process must see the same inputs "
+        "(a folder still being written, or different on each node)"
+    ], result.stderr
+    assert not out.exists() and list(tmp_path.glob(".predictions*")) == []
+
+
+def test_a_missing_model_file_and_an_out_named_like_its_companions_are_one_line(exported, photos, tmp_path):
+    checkpoint, export = exported
+    missing = predict(tmp_path / "nope" / "model.pt2", photos, tmp_path / "p.jsonl", check=False)
+    assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1] == (
+        f"error: --checkpoint '{tmp_path / 'nope' / 'model.pt2'}' not found"
+    )
+    args = ["--checkpoint", checkpoint, "--out", tmp_path / "model.pt2", "--program"]
+    clash = run_script("export.py", args, check=False)
+    assert clash.returncode == 2 and "is named as a file written beside it" in clash.stderr.strip().splitlines()[-1]
+    assert list(tmp_path.glob("model*")) == []

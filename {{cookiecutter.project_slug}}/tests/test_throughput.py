@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from conftest import FAST, read_metrics, reference_config, reference_task, run_script
+from engine.errors import TaskError
 from engine.throughput import Throughput, peak_flops
 
 
@@ -26,6 +27,8 @@ from engine.throughput import Throughput, peak_flops
         (0.0, "Tesla V100-SXM2-32GB", "fp16", 125e12),
         (0.0, "Tesla V100-SXM2-32GB", "bf16", None),  # V100 has no bf16
         (0.0, "Some Future GPU", "bf16", None),
+        (0.0, "NVIDIA L40", "bf16", None),  # not an L4
+        (0.0, "NVIDIA RTX A1000", "bf16", None),  # not an A100
         (2.5, None, "fp32", 2.5e12),  # train.peak_tflops wins everywhere
         (2.5, "NVIDIA A100-SXM4-80GB", "bf16", 2.5e12),
     ],
@@ -53,6 +56,13 @@ def test_the_flops_counted_are_the_models_forward_and_backward(batch, hidden):
     assert throughput.flops_per_micro_batch == 2 * batch * (2 * sum(layers) + sum(layers[1:]))
 
 
+@pytest.mark.parametrize("returned", [64, ("pixels",), [("pixels", 64)], ("pixels", [64, 64]), ("pixels", "many")])
+def test_count_items_returning_anything_but_a_unit_and_one_number_is_one_line(returned):
+    throughput = Throughput(count_items=lambda batch: returned)
+    with pytest.raises(TaskError, match=r"count_items returned .*; return \(unit, count\) with one number"):
+        throughput.add(batch=None)
+
+
 @pytest.mark.parametrize(("nproc", "accum_steps"), [(None, 1), (2, 2)])
 def test_a_run_reports_items_model_flops_and_mfu_that_agree(tmp_path, nproc, accum_steps):
     args = [*FAST, "data.train_size=256", "train.epochs=1", f"train.accum_steps={accum_steps}"]
@@ -60,6 +70,10 @@ def test_a_run_reports_items_model_flops_and_mfu_that_agree(tmp_path, nproc, acc
     (row,) = read_metrics(tmp_path)
     assert row["pixels_per_s"] == pytest.approx(row["samples_per_s"] * 8 * 8, rel=1e-9)  # count_items: 8x8 images
     assert row["mfu"] == pytest.approx(row["model_tflops_per_s"] / 0.5, rel=1e-9) and 0 < row["mfu"] < 1
+    # This process's micro-batches (256 samples / 16 per micro-batch / processes) x the MLP's FLOPs each.
+    layers = [3 * 8 * 8 * 32, 32 * 32, 32 * 10]
+    flops = 2 * 16 * (2 * sum(layers) + sum(layers[1:])) * 256 // (16 * (nproc or 1))
+    assert row["model_tflops_per_s"] == pytest.approx(flops / row["train_time_s"] / 1e12, rel=1e-9)
     assert f"MFU {row['mfu']:.1%}" in result.stdout and f"{row['pixels_per_s']:,.0f} pixels/s" in result.stdout
 
     plain = tmp_path / "plain"  # no peak known (CPU): nothing counted, the same training

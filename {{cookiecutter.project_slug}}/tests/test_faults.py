@@ -229,6 +229,9 @@ def test_a_stop_during_evaluation_saves_the_last_step_and_the_next_run_evaluates
     process, seen = start_script("train.py", [*LONG_EVAL, f"output_dir={split}"], nproc=2), []
     steps = int(wait_for_line(process, "steps/epoch", seen).split("; ")[-1].split()[0])
     wait_for_line(process, f"epoch 0 step {steps} ", seen)  # the epoch's last step: its evaluation follows
+    # Past that step's own stop check (a signal there stops before the evaluation, as it
+    # should): its 1,500 batches per rank take seconds.
+    time.sleep(0.5)
     os.kill(process.pid, signal.SIGTERM)
     output = finish(process, seen)
     assert "the evaluation of epoch 0 stopped; the next run evaluates it again" in output, output

@@ -61,7 +61,8 @@ class Throughput:
     def __init__(self, count_items=None, peak: float | None = None, device: torch.device | None = None):
         self.count_items, self.peak = count_items, peak
         self.unit = None
-        self.items = torch.zeros((), dtype=torch.float64, device=device)
+        self.items = torch.zeros((), dtype=torch.float64, device=device)  # counts given as tensors
+        self.host_items = 0.0  # counts given as numbers: copying each to the device would sync the host
         self.flops_per_micro_batch = None
 
     @classmethod
@@ -78,20 +79,29 @@ class Throughput:
         if self.count_items is not None:
             counted = self.count_items(batch)
             pair = isinstance(counted, tuple) and len(counted) == 2 and isinstance(counted[0], str)
+            number = pair and isinstance(counted[1], int | float) and not isinstance(counted[1], bool)
             try:
-                count = torch.as_tensor(counted[1], device=self.items.device) if pair else None
+                count = torch.as_tensor(counted[1], device=self.items.device) if pair and not number else None
             except (TypeError, ValueError, RuntimeError):  # not a number
                 count = None
-            if count is None or count.numel() != 1:
+            if not number and (count is None or count.numel() != 1):
                 raise TaskError(
                     f"count_items returned {type(counted).__name__} {str(counted)[:60]!r}; return (unit, count) with "
                     'one number, e.g. ("tokens", mask.sum())'
                 )
             self.unit = counted[0]
-            self.items += count.to(torch.float64).reshape(())
+            if number:
+                self.host_items += counted[1]
+            else:
+                self.items += count.to(torch.float64).reshape(())
+
+    def total_items(self) -> torch.Tensor:
+        """This rank's items since the last reset, on the device."""
+        return self.items + self.host_items
 
     def reset(self) -> None:
         self.items.zero_()
+        self.host_items = 0.0
 
     def figures(self, items_total: float, micro_batches: int, elapsed: float) -> dict:
         """<unit>_per_s over every rank; model_tflops_per_s and mfu per device (this one's

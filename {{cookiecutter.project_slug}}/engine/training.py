@@ -298,7 +298,8 @@ class EpochStats:
         names = list(self.loss_sums)
         sums = [self.loss_sums[name].double() for name in names]
         count = torch.tensor(float(self.micro_batches), dtype=torch.float64, device=sums[0].device)
-        *totals, micro_batches, items = all_reduce_sum(torch.stack([*sums, count, self.throughput.items])).tolist()
+        local = torch.stack([*sums, count, self.throughput.total_items()])
+        *totals, micro_batches, items = all_reduce_sum(local).tolist()
         step_times = [b - a for a, b in itertools.pairwise(self.step_ends)]
         return {
             # No micro-batches: the epoch was trained by the run before (then NaN).

@@ -79,7 +79,7 @@ def main(out: str, overrides: list[str]) -> None:
     checkpointer = Checkpointer(cfg, env, device)
     parts = build_parts(cfg, env)
     sharded = any(part.shards_model for part in parts)
-    train_loader, _, state = train.load_train_objs(cfg, env, device, checkpointer, parts)
+    train_loader, _, state = train.load_train_objs(cfg, env, device, checkpointer, parts, None)
     row["setup_peak_mib"] = status_mib("VmHWM")
     stop = StopRequest(cfg.dist.timeout_minutes, cfg.train.stop_at_step).install(env.launcher)
     set_host_allocator(parts)  # as train.py, after setup

@@ -82,7 +82,7 @@ def main(argv=None) -> None:
         set_determinism(cfg.train.deterministic, device)
         provenance = describe_run(env, Path(__file__).resolve().parent)  # git commit, versions, hosts
         checkpointer = Checkpointer(cfg, env, device, provenance)
-        train_loader, val_loader, state = load_train_objs(cfg, env, device, checkpointer, parts)
+        train_loader, val_loader, state = load_train_objs(cfg, env, device, checkpointer, parts, stop.group)
         loaders = (train_loader, val_loader)
         rng_restored = checkpointer.resume(state)
         if cfg.train.sanity_check:
@@ -125,15 +125,16 @@ def main(argv=None) -> None:
             cleanup_distributed()
 
 
-def load_train_objs(cfg, env, device, checkpointer: Checkpointer, parts: list):
+def load_train_objs(cfg, env, device, checkpointer: Checkpointer, parts: list, vote_group):
     """The run's data loaders and its TrainState (model, optimizer, schedule, the parts).
-    The task itself is in data.py and model.py. Every rank must call this."""
+    The task itself is in data.py and model.py; a stream's ranks vote on `vote_group`, the
+    run's stop votes'. Every rank must call this."""
     prepare_on_node_leaders(prepare_data, cfg, env, device)  # downloads: one process per node at a time
     with stop_all_if_any_fails(device):
         train_set, val_set = build_datasets(cfg)  # every process reads at once
     # data.py may define collate_fn; workers leave the launcher's stop signals to their rank.
     hooks = {"collate_fn": getattr(data, "collate_fn", None), "worker_init_fn": leave_stop_signals_to_the_rank}
-    train_loader = build_train_loader(train_set, cfg, env, device, **hooks)
+    train_loader = build_train_loader(train_set, cfg, env, device, vote_group, **hooks)
     val_loader = build_val_loader(val_set, cfg, env, device, **hooks)
     steps = steps_per_epoch(train_loader, cfg)
 

@@ -134,10 +134,12 @@ def steps_per_epoch(train_loader: DataLoader, cfg: Config) -> int | None:
     return train_loader.sampler.num_batches // cfg.train.accum_steps
 
 
-def build_train_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device, **hooks) -> DataLoader:
+def build_train_loader(
+    dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device, vote_group=None, **hooks
+) -> DataLoader:
     """`hooks`: `collate_fn` makes a batch from a list of samples (None: torch's
     default_collate); `worker_init_fn` runs first in each worker process. A stream
-    (IterableDataset) is read in parts: engine/stream.py."""
+    (IterableDataset) is read in parts, its ranks voting on `vote_group`: engine/stream.py."""
     if isinstance(dataset, IterableDataset):
         if not cfg.train.max_steps:
             raise UsageError(
@@ -146,7 +148,7 @@ def build_train_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torc
             )
         stream = StreamParts(dataset, env.rank, env.world_size, cfg.seed)
         loader = make_loader(stream, cfg, device, hooks, batch_size=cfg.train.batch_size, drop_last=True)
-        loader.steps = StreamSteps(cfg.train.accum_steps)
+        loader.steps = StreamSteps(cfg.train.accum_steps, vote_group)
         return loader
     sampler = TrainSampler(
         dataset, env, cfg.seed, cfg.train.batch_size, micro_batches_per_epoch(len(dataset), cfg, env)

@@ -69,12 +69,15 @@ class StreamParts(IterableDataset):
 
 
 class StreamSteps:
-    """A stream's micro-batches in whole optimizer steps, as many on every rank."""
+    """A stream's micro-batches in whole optimizer steps, as many on every rank.
 
-    def __init__(self, accum_steps: int):
+    `vote_group`: the CPU (gloo) group the run's votes travel on (never a wait for the
+    GPU), whose timeout the run shortens to dist.step_timeout_minutes after its first
+    step: a rank whose stream stops yielding fails the others' vote in that time."""
+
+    def __init__(self, accum_steps: int, vote_group):
         self.accum_steps, self.told = accum_steps, False
-        # The votes travel over a CPU (gloo) group of their own: never a wait for the GPU.
-        self.group = dist.new_group(backend="gloo") if get_world_size() > 1 else None
+        self.group = vote_group if get_world_size() > 1 else None
 
     def __call__(self, batches, epoch: int, skip: int):
         for _ in range(skip):  # trained before the checkpoint this run resumed from

@@ -247,7 +247,7 @@ from engine.distributed import cleanup_distributed, init_distributed_mode, is_ma
 cfg = train.load_config(None, sys.argv[2:], data=train.DataConfig, model=train.ModelConfig, optim=train.OptimConfig)
 env, device = init_distributed_mode(cfg.dist)
 checkpointer = Checkpointer(cfg, env, device)
-state = train.load_train_objs(cfg, env, device, checkpointer, train.build_parts(cfg, env))[2]
+state = train.load_train_objs(cfg, env, device, checkpointer, train.build_parts(cfg, env), None)[2]
 checkpointer.resume(state)
 loaded = state.state_dict()
 if is_main():

@@ -7,9 +7,13 @@ epoch, the epochs end without a hang, and a run stopped mid-epoch continues bitw
 """
 
 import itertools
+import os
 import random
 import re
 import shutil
+import signal
+import subprocess
+import threading
 
 import pytest
 import torch
@@ -19,12 +23,15 @@ from conftest import (
     import_file,
     load_checkpoint,
     machinery_project,
+    clean_env,
+    command,
     read_metrics,
     reference_config,
     run_script,
     tensors,
+    wait_for_line,
 )
-from test_entry_points import RUNS, assert_clean
+from test_entry_points import ABORT, RUNS, assert_clean
 
 STREAM_TASK = PROJECT / "tests" / "stream_task"
 SHARD_SIZES = [40, 75, 23, 110, 61, 9, 88]  # 406 samples, one shard of 9
@@ -195,3 +202,65 @@ def test_a_stream_run_exits_clean_under_torchrun(stream_project, tmp_path):
         )
         assert_clean(result)
         assert "epoch 0 of the stream: 24 steps" in result.stdout and "stopped at step 30" in result.stdout
+
+
+# The stream of the tests, but rank 1's reader hangs after 40 samples (5 steps of 8): a
+# stuck file system, a reader waiting on a socket.
+HANGING_STREAM = """
+import threading
+
+_build_datasets = build_datasets
+
+
+def build_datasets(cfg):
+    train, val = _build_datasets(cfg)
+    return HangsOnRankOne(train), val
+
+
+class HangsOnRankOne(IterableDataset):
+    def __init__(self, stream):
+        self.stream = stream
+
+    def set_epoch(self, epoch):
+        self.stream.set_epoch(epoch)
+
+    def __iter__(self):
+        return self.split(0, 1)
+
+    def split(self, part, parts):
+        for count, sample in enumerate(self.stream.split(part, parts)):
+            if part == 1 and count == 40:
+                threading.Event().wait()
+            yield sample
+"""
+
+
+def test_a_rank_whose_stream_hangs_stops_the_run_within_the_step_timeout(stream_project, tmp_path):
+    """The other rank waits in the stream's vote for equal steps: that wait is bounded by
+    dist.step_timeout_minutes like every collective after the first step, not torch's
+    30-minute default, and ends in the one line that names the setting."""
+    project = tmp_path / "project"
+    shutil.copytree(stream_project, project)
+    (project / "data.py").write_text((project / "data.py").read_text() + HANGING_STREAM)
+    args = [*STREAM_RUN, "train.num_workers=0", "train.batch_size=8", "dist.step_timeout_minutes=0.05"]
+    process = subprocess.Popen(
+        command("train.py", [*args, f"output_dir={tmp_path / 'run'}"], nproc=2),
+        cwd=project,
+        env=clean_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,  # the hung rank ends with the test, not 30 s after torchrun's SIGTERM
+    )
+    # A run that hangs prints nothing: the reading below then ends when this ends the run.
+    watchdog = threading.Timer(90, os.killpg, (process.pid, signal.SIGKILL))
+    watchdog.start()
+    seen = []
+    try:
+        line = wait_for_line(process, "lost contact with another process", seen)
+    finally:
+        watchdog.cancel()
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    assert line.startswith("rank 0 stopped: lost contact") and "dist.step_timeout_minutes" in line, line
+    assert not ABORT.search("".join(seen)), "".join(seen)

@@ -5,6 +5,8 @@ One `init_distributed_mode` covers:
   torchrun ... train.py             RANK / WORLD_SIZE / LOCAL_RANK / MASTER_* from torchrun
   srun python train.py              SLURM_PROCID / SLURM_NTASKS / SLURM_LOCALID, master from
                                     SLURM_JOB_NODELIST (no scontrol needed)
+The variables are checked before any process waits for another: a malformed one stops it
+with one line naming the variable.
 The state lives in torch.distributed itself; this module keeps none of its own.
 """
 
@@ -33,8 +35,9 @@ class DistEnv:
     world_size: int = 1
     local_rank: int = 0
     launcher: str = "none"  # none | torchrun | slurm
-    master_addr: str = ""  # slurm only: torchrun passes its own through env://
+    master_addr: str = ""  # where rank 0 serves the store
     master_port: int = 0
+    by_hand: bool = False  # RANK etc. set without torchrun's agent: e.g. left in a shell
 
     @property
     def distributed(self) -> bool:
@@ -42,28 +45,118 @@ class DistEnv:
 
 
 def parse_dist_env(environ: Mapping[str, str]) -> DistEnv:
-    """The DistEnv for an environment: torchrun's variables win over SLURM's."""
-    if "RANK" in environ and "WORLD_SIZE" in environ:
-        return DistEnv(
-            rank=int(environ["RANK"]),
-            world_size=int(environ["WORLD_SIZE"]),
-            local_rank=int(environ.get("LOCAL_RANK", 0)),
-            launcher="torchrun",
-        )
+    """The DistEnv for an environment: torchrun's variables win over SLURM's. A malformed
+    one (a rank that is no number or outside the world, no address to meet at) is a
+    UsageError naming the variable, before any process waits for another."""
+    if "RANK" in environ or "WORLD_SIZE" in environ:
+        return torchrun_env(environ)
     # SLURM_STEP_ID is set by srun only: a plain `python train.py` in a batch script
     # (which also sees SLURM_NTASKS) must stay a single process, not wait for peers.
     if "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ:
-        world_size = int(environ.get("SLURM_STEP_NUM_TASKS", environ.get("SLURM_NTASKS", 1)))
-        nodelist = environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_JOB_NODELIST", ""))
-        return DistEnv(
-            rank=int(environ["SLURM_PROCID"]),
-            world_size=world_size,
-            local_rank=int(environ.get("SLURM_LOCALID", 0)),
-            launcher="slurm",
-            master_addr=environ.get("MASTER_ADDR") or first_host(nodelist) or "127.0.0.1",
-            master_port=int(environ.get("MASTER_PORT") or slurm_port(environ.get("SLURM_JOB_ID"))),
-        )
+        return srun_env(environ)
     return DistEnv()
+
+
+TORCHRUN_FIX = "unset it to run one process, or start with torchrun/srun, which set it"
+SRUN_FIX = "srun sets it for each task; unset it and SLURM_STEP_ID to run one process, or start with srun"
+
+
+def torchrun_env(environ: Mapping[str, str]) -> DistEnv:
+    """RANK, WORLD_SIZE, LOCAL_RANK and MASTER_* as torchrun sets them (or a user by hand)."""
+    names = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+    rank, world_size, local_rank = (whole_number(environ, name, TORCHRUN_FIX) for name in names)
+    for name, partner in (("RANK", "WORLD_SIZE"), ("WORLD_SIZE", "RANK")):
+        if name not in environ:
+            raise UsageError(
+                f"{name} is not set, but {partner} is {environ[partner]!r}: set both (torchrun/srun do), "
+                f"or unset {partner} to run one process"
+            )
+    one_process = "unset RANK and WORLD_SIZE to run one process"
+    launched = f"{one_process}, or start with torchrun/srun, which set them"
+    check_rank(("RANK", rank), ("WORLD_SIZE", world_size), launched)
+    meeting_fix = (
+        f"set MASTER_ADDR and MASTER_PORT to rank 0's host and a free port there, {one_process}, or start with "
+        "torchrun, which sets them all"
+    )
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if not environ.get(name):
+            raise UsageError(f"{name} is not set, but RANK and WORLD_SIZE are: {meeting_fix}")
+    return DistEnv(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank or 0,
+        launcher="torchrun",
+        master_addr=environ["MASTER_ADDR"],
+        master_port=port_number(environ, f"set it to a free port of rank 0's host, or {one_process}"),
+        by_hand="TORCHELASTIC_RUN_ID" not in environ,  # torchrun's agent sets it for every process
+    )
+
+
+def srun_env(environ: Mapping[str, str]) -> DistEnv:
+    """An srun task: SLURM_PROCID and the step's task count, the master from the node list."""
+    tasks = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
+    names = ("SLURM_PROCID", tasks, "SLURM_LOCALID")
+    rank, world_size, local_rank = (whole_number(environ, name, SRUN_FIX) for name in names)
+    world_size = 1 if world_size is None else world_size
+    fix = "srun sets them for each task; unset SLURM_PROCID and SLURM_STEP_ID to run one process, or start with srun"
+    check_rank(("SLURM_PROCID", rank), (tasks, world_size), fix)
+    nodelist = environ.get("SLURM_STEP_NODELIST", environ.get("SLURM_JOB_NODELIST", ""))
+    if environ.get("MASTER_PORT"):
+        port = port_number(environ, "set it to a free port of the first host, or unset it to use the job's")
+    else:
+        job_fix = "set MASTER_PORT to a free port of the first host, or start with srun, which sets it"
+        port = slurm_port(whole_number(environ, "SLURM_JOB_ID", job_fix) or 0)
+    return DistEnv(
+        rank=rank,
+        world_size=world_size,
+        local_rank=local_rank or 0,
+        launcher="slurm",
+        master_addr=environ.get("MASTER_ADDR") or first_host(nodelist) or "127.0.0.1",
+        master_port=port,
+    )
+
+
+def whole_number(environ: Mapping[str, str], name: str, fix: str) -> int | None:
+    """The variable's value as a whole number (0, 1, ...); None when unset."""
+    value = environ.get(name)
+    if value is None:
+        return None
+    if not (value.strip().isascii() and value.strip().isdigit()):
+        raise UsageError(f"{name} is {value!r}, not a whole number: {fix}")
+    return int(value)
+
+
+def check_rank(rank: tuple[str, int], world_size: tuple[str, int], fix: str) -> None:
+    """A world of one process or more, and a rank inside it; each as (variable, value)."""
+    (rank_name, rank_value), (world_name, world_value) = rank, world_size
+    if world_value < 1:
+        raise UsageError(f"{world_name} is '{world_value}', not a number of processes (1 or more): {fix}")
+    if rank_value >= world_value:
+        raise UsageError(
+            f"{rank_name} is '{rank_value}', not a rank of {world_name}={world_value} processes "
+            f"(0 to {world_value - 1}): {fix}"
+        )
+
+
+def port_number(environ: Mapping[str, str], fix: str) -> int:
+    port = whole_number(environ, "MASTER_PORT", fix)
+    if not 1 <= port <= 65535:
+        raise UsageError(f"MASTER_PORT is {environ['MASTER_PORT']!r}, not a port (1 to 65535): {fix}")
+    return port
+
+
+def waiting_notice(env: DistEnv, timeout_minutes: float) -> str:
+    """What a rank started by hand says before it waits for the others ("" when it need
+    not): RANK and the rest left in a shell would otherwise keep `python train.py` waiting,
+    silent, for dist.timeout_minutes. torchrun and srun start every rank at once, so their
+    ranks say nothing (a line from each would be noise)."""
+    if not env.by_hand or env.world_size == 1:
+        return ""
+    return (
+        f"rank {env.rank} of {env.world_size}: waiting up to {timeout_minutes:g} min (dist.timeout_minutes) for the "
+        f"other processes at {env.master_addr}:{env.master_port}, as RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT "
+        "in the environment ask; unset them to run one process"
+    )
 
 
 # Below Linux's ephemeral range (32768-60999 by default), from which the kernel hands out
@@ -72,9 +165,9 @@ def parse_dist_env(environ: Mapping[str, str]) -> DistEnv:
 SLURM_PORTS = range(12000, 29000)
 
 
-def slurm_port(job_id: str | None) -> int:
+def slurm_port(job_id: int) -> int:
     """A port derived from the job id, so two jobs sharing a node do not collide."""
-    return SLURM_PORTS.start + int(job_id or 0) % len(SLURM_PORTS)
+    return SLURM_PORTS.start + job_id % len(SLURM_PORTS)
 
 
 def expand_nodelist(nodelist: str) -> list[str]:
@@ -142,6 +235,8 @@ def init_distributed_mode(cfg: DistConfig, trace_dir: Path | None = None) -> tup
     if env.distributed:
         check_gloo_address(socket.gethostname(), multi_node(os.environ), os.environ)
         os.environ.update(process_group_env(os.environ, cfg.flight_recorder_entries, trace_dir))
+        if notice := waiting_notice(env, cfg.timeout_minutes):
+            print(notice, file=sys.stderr, flush=True)
         if trace_dir is not None:  # NCCL's watchdog writes there, but does not make the folder
             with contextlib.suppress(OSError):  # an unwritable output_dir is reported after the lock
                 trace_dir.mkdir(parents=True, exist_ok=True)
@@ -298,7 +393,10 @@ def get_rank() -> int:
         return dist.get_rank()
     # os.environ itself, not a copy: a single process asks at every step, and copying
     # the whole environment took ~30 us of a small step.
-    return parse_dist_env(os.environ).rank
+    try:
+        return parse_dist_env(os.environ).rank
+    except UsageError:  # a malformed launch: each process reports it, there is no rank 0 to leave it to
+        return 0
 
 
 def get_world_size() -> int:

@@ -2,16 +2,20 @@
 requeue race) would write checkpoints and metrics beside the first.
 
 Rank 0 creates <output_dir>/run.lock atomically (O_EXCL) before anything else is
-written there. It names the holder's host, pid, start time and launch, and rank 0
+written there. It names the holder's host, pid, start time, launch and which start of
+the launch it is, and rank 0
 refreshes its modification time every HEARTBEAT_S seconds from a background thread.
 
 A lock found on disk is taken over, not obeyed, when its holder is gone:
-- the same launch: the same SLURM job (a requeue) or the same torchrun launch (an
-  elastic restart), whose earlier processes are dead or being replaced;
+- an earlier start of the same launch: the same SLURM job before a requeue (a lower
+  SLURM_RESTART_COUNT), or the same torchrun launch before an elastic restart (a lower
+  TORCHELASTIC_RESTART_COUNT), whose processes are dead or being replaced. Two runs of
+  one start (two terminals in one salloc) are told apart by the rules below, like any two;
 - the same host, and no process with the holder's pid is alive (a kill -9, a crash);
 - any host, and the lock has not been refreshed for STALE_S seconds (a dead node: on a
   shared file system another node cannot look up the holder's pid, but it can see
-  that the heartbeat stopped).
+  that the heartbeat stopped; an empty or unreadable lock, which no run of this
+  version leaves, goes the same way).
 Otherwise the run refuses at once, naming the holder. A lock left by a dead node on
 another host therefore blocks for at most STALE_S seconds.
 
@@ -46,10 +50,32 @@ def this_launch() -> str:
     job = os.environ.get("SLURM_JOB_ID")
     if job:
         return f"slurm:{job}"
+    torchrun = torchrun_launch()
+    return f"torchrun:{torchrun}" if torchrun else ""
+
+
+def torchrun_launch() -> str:
+    """torchrun's run id with its store's address, "" without one (or an id torchrun made up)."""
     run_id = os.environ.get("TORCHELASTIC_RUN_ID")
     if not run_id or run_id == "none":
         return ""
-    return f"torchrun:{run_id}@{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+    return f"{run_id}@{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+
+
+def this_start() -> dict:
+    """Which start of its launch this run is: SLURM counts the job's requeues; torchrun the
+    restarts of its launch (within one start of a SLURM job, for srun torchrun)."""
+    return {
+        "requeues": count(os.environ.get("SLURM_RESTART_COUNT")),  # unset until the first requeue
+        "torchrun": torchrun_launch(),
+        "restarts": count(os.environ.get("TORCHELASTIC_RESTART_COUNT")),
+    }
+
+
+def count(value) -> int:
+    """A restart count as written (a string in the environment, a number in a lock); 0 if none."""
+    text = str(value)
+    return int(text) if text.isascii() and text.isdigit() else 0
 
 
 class RunLock:
@@ -62,6 +88,7 @@ class RunLock:
             "pid": os.getpid(),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "launch": this_launch(),
+            **this_start(),
         }
         self.stop = threading.Event()
         self.thread = None
@@ -76,11 +103,7 @@ class RunLock:
                     first_look = first_look or (holder, modified)
                     time.sleep(WATCH_S)  # until it is stale, or a heartbeat shows it alive
                     continue
-                raise OutputDirInUse(
-                    f"output_dir {str(self.path.parent)!r} is in use by the run on host {holder.get('host')}, "
-                    f"pid {holder.get('pid')}, started {holder.get('started')}; wait for it or choose another "
-                    f"output_dir (if that run is gone, delete {self.path})"
-                )
+                raise self.in_use(holder)
             if self.read_holder() == holder:  # stale, and not replaced meanwhile: take it over
                 self.path.unlink(missing_ok=True)
         self.thread = threading.Thread(target=self.heartbeat, name="run-lock-heartbeat", daemon=True)
@@ -106,14 +129,30 @@ class RunLock:
             tmp.unlink(missing_ok=True)
         return True
 
+    def in_use(self, holder: dict) -> OutputDirInUse:
+        folder = str(self.path.parent)
+        if not holder:
+            return OutputDirInUse(
+                f"output_dir {folder!r} may be in use: its {LOCK_NAME} is empty or unreadable, as a run of an older "
+                f"version of this project may leave it (it is taken over {STALE_S / 60:g} minutes after its last "
+                f"change); if no run uses that folder, delete {self.path}"
+            )
+        return OutputDirInUse(
+            f"output_dir {folder!r} is in use by the run on host {holder['host']}, pid {holder['pid']}, started "
+            f"{holder.get('started')}; wait for it or choose another output_dir (if that run is gone, delete "
+            f"{self.path})"
+        )
+
     def read_holder(self) -> dict | None:
-        """The holder as written, {} if unreadable (a torn write), None if gone meanwhile."""
+        """The holder as written; {} if it names none (empty: an older version's lock, or a
+        crashed file system's); None if gone meanwhile."""
         try:
-            return json.loads(self.path.read_text())
+            holder = json.loads(self.path.read_text())
         except FileNotFoundError:
             return None
         except (OSError, ValueError):
             return {}
+        return holder if isinstance(holder, dict) and {"host", "pid"} <= holder.keys() else {}
 
     def modified(self) -> float | None:
         try:
@@ -122,12 +161,27 @@ class RunLock:
             return None
 
     def is_stale(self, holder: dict) -> bool:
-        if holder.get("launch") and holder.get("launch") == self.me["launch"]:
+        if self.earlier_start(holder):
             return True
-        if holder.get("host") == self.me["host"] and not pid_alive(holder.get("pid")):
+        if holder.get("host") == self.me["host"] and not self.other_live_process(holder.get("pid")):
             return True
         modified = self.modified()
         return modified is None or time.time() - modified > STALE_S
+
+    def earlier_start(self, holder: dict) -> bool:
+        """The holder is an earlier start of this run's launch: its SLURM job before a requeue,
+        or its torchrun launch before an elastic restart. Not a run of the same start."""
+        if not holder.get("launch") or holder["launch"] != self.me["launch"]:
+            return False
+        if count(holder.get("requeues")) != self.me["requeues"]:
+            return count(holder.get("requeues")) < self.me["requeues"]
+        same_torchrun = bool(self.me["torchrun"]) and holder.get("torchrun") == self.me["torchrun"]
+        return same_torchrun and count(holder.get("restarts")) < self.me["restarts"]
+
+    def other_live_process(self, pid) -> bool:
+        """A live process of this host other than this one: a holder with this process's pid
+        is a dead one whose pid came back (in a container, the same few pids every start)."""
+        return pid != self.me["pid"] and pid_alive(pid)
 
     def may_be_my_restart(self, holder: dict) -> bool:
         """The same torchrun run id, another store, another host: a restart whose rank 0

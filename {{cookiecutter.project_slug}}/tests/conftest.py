@@ -134,7 +134,7 @@ def clean_env(extra=None) -> dict:
     """This environment without launcher variables (the tests may run under torchrun)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launcher = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_ERROR_FILE")
-    for key in (*launcher, "SLURM_PROCID", "SLURM_STEP_ID"):
+    for key in (*launcher, "TORCHELASTIC_RUN_ID", "SLURM_PROCID", "SLURM_STEP_ID"):
         env.pop(key, None)
     return {**env, **(extra or {})}
 
@@ -215,6 +215,7 @@ def rank_environments(env: dict, nproc: int) -> list[dict]:
     """What torchrun --standalone gives each of `nproc` ranks on this machine."""
     world = {"WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "GROUP_RANK": "0"}
     world |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(rendezvous_port()), "TORCHELASTIC_RESTART_COUNT": "0"}
+    world["TORCHELASTIC_RUN_ID"] = os.urandom(16).hex()  # --standalone makes up a random one per launch
     return [{**env, **world, "RANK": str(rank), "LOCAL_RANK": str(rank)} for rank in range(nproc)]
 
 

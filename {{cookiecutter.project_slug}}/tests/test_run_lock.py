@@ -115,32 +115,97 @@ def test_a_lock_of_a_killed_process_not_yet_reaped_is_taken_over(tmp_path):
         zombie.wait()
 
 
+def test_a_lock_with_this_process_pid_is_a_dead_holders(tmp_path):
+    """In a container the run gets the same pid at every start (1 in Docker); on a stable
+    host name (a Kubernetes pod restarting its container), the killed run's lock names it."""
+    lock_held_by(tmp_path, host=os.uname().nodename, pid=os.getpid())
+    RunLock(tmp_path).acquire().release()
+
+
 def as_torchrun_rank_0(monkeypatch, run_id="f00d", store=("node-0", "4711")):
     monkeypatch.delenv("SLURM_JOB_ID", raising=False)
     for variable, value in zip(("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"), (run_id, *store), strict=True):
         monkeypatch.setenv(variable, value)
 
 
+@pytest.fixture
+def live_pid():
+    """A live process of this host, other than this one: a holder that no pid check finds dead."""
+    sleeper = subprocess.Popen(["sleep", "600"])
+    yield sleeper.pid
+    sleeper.kill()
+    sleeper.wait()
+
+
+def write_holder(directory, holder):
+    (directory / LOCK_NAME).write_text(json.dumps(holder))
+
+
 @pytest.mark.parametrize(
-    "slurm_job, launch, other_launch",
+    "slurm_job, torchrun, count",
     [
-        ("812", "slurm:812", "slurm:8121"),  # another job
-        (None, "torchrun:f00d@node-0:4711", "torchrun:f00d1@node-0:4711"),  # another run id
-        (None, "torchrun:f00d@node-0:4711", "torchrun:f00d@node-0:4712"),  # another store: another launch
+        ("812", False, "SLURM_RESTART_COUNT"),  # a requeued SLURM job
+        (None, True, "TORCHELASTIC_RESTART_COUNT"),  # an elastic restart
+        ("812", True, "TORCHELASTIC_RESTART_COUNT"),  # an elastic restart of srun torchrun
     ],
+    ids=["requeue", "elastic-restart", "elastic-restart-in-a-slurm-job"],
 )
-def test_the_same_launch_restarted_takes_its_lock_over(tmp_path, monkeypatch, slurm_job, launch, other_launch):
-    """A requeued SLURM job or an elastic restart: its earlier processes are gone or going.
-    The holders here are alive as far as any other rule can tell: this host, a live pid."""
+def test_a_live_run_of_the_same_launch_is_refused_and_its_earlier_start_taken_over(
+    tmp_path, monkeypatch, live_pid, slurm_job, torchrun, count
+):
+    """Two runs of one SLURM job (two terminals of one salloc) or one torchrun launch share
+    their launch: while the holder lives, it is never taken over. A later start of the launch
+    (a requeue, an elastic restart: a higher restart count) takes over its earlier start,
+    whose processes are gone or going, though they look alive here: this host, a live pid."""
     as_torchrun_rank_0(monkeypatch)
+    if not torchrun:
+        monkeypatch.delenv("TORCHELASTIC_RUN_ID")
     if slurm_job:
         monkeypatch.setenv("SLURM_JOB_ID", slurm_job)
-    alive = {"host": os.uname().nodename, "pid": os.getppid()}
-    lock_held_by(tmp_path, launch=launch, **alive)
+    monkeypatch.setenv(count, "1")
+    holder = {**RunLock(tmp_path).me, "pid": live_pid}
+    write_holder(tmp_path, holder)
+    with pytest.raises(OutputDirInUse, match=f"in use by the run on host {holder['host']}, pid {live_pid}, "):
+        RunLock(tmp_path).acquire()
+    monkeypatch.setenv(count, "2")
     RunLock(tmp_path).acquire().release()
-    lock_held_by(tmp_path, launch=other_launch, **alive)
+    assert not (tmp_path / LOCK_NAME).exists()
+
+
+@pytest.mark.parametrize(
+    "variable, other",
+    [
+        ("SLURM_JOB_ID", "8121"),  # another job
+        ("TORCHELASTIC_RUN_ID", "f00d1"),  # another run id
+        ("MASTER_PORT", "4712"),  # another store: another torchrun launch, in the same SLURM job
+    ],
+)
+def test_a_later_start_of_another_launch_is_refused(tmp_path, monkeypatch, live_pid, variable, other):
+    as_torchrun_rank_0(monkeypatch)
+    monkeypatch.setenv("SLURM_JOB_ID", "812")
+    write_holder(tmp_path, {**RunLock(tmp_path).me, "pid": live_pid})
+    monkeypatch.setenv(variable, other)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "3")
     with pytest.raises(OutputDirInUse):
         RunLock(tmp_path).acquire()
+
+
+@pytest.mark.parametrize("content", ["", "{", "null", '{"launch": ""}'])
+def test_an_unreadable_lock_is_named_and_taken_over_once_nothing_refreshes_it(tmp_path, content):
+    """An empty run.lock (an older version's, a crashed file system's) names no holder."""
+    path = tmp_path / LOCK_NAME
+    path.write_text(content)
+    with pytest.raises(OutputDirInUse) as refused:
+        RunLock(tmp_path).acquire()
+    assert str(refused.value) == (
+        f"output_dir '{tmp_path}' may be in use: its {LOCK_NAME} is empty or unreadable, as a run of an older "
+        f"version of this project may leave it (it is taken over {STALE_S / 60:g} minutes after its last change); "
+        f"if no run uses that folder, delete {path}"
+    )
+    then = time.time() - STALE_S - 1
+    os.utime(path, (then, then))
+    RunLock(tmp_path).acquire().release()
+    assert not path.exists()
 
 
 def beating(path, beats=10, every_s=0.2):

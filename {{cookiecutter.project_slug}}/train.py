@@ -80,7 +80,7 @@ def main(argv=None) -> None:
         stop = StopRequest(cfg.dist.timeout_minutes, cfg.train.stop_at_step).install(env.launcher)
         check_precision(cfg, device)
         set_determinism(cfg.train.deterministic, device)
-        provenance = describe_run(env, Path(__file__).resolve().parent)  # git commit, versions, hosts
+        provenance = describe_run(env, Path(__file__).resolve().parent, cfg.provenance)  # git commit, versions, hosts
         checkpointer = Checkpointer(cfg, env, device, provenance)
         train_loader, val_loader, state = load_train_objs(cfg, env, device, checkpointer, parts, stop.group)
         loaders = (train_loader, val_loader)

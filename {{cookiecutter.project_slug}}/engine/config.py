@@ -9,8 +9,10 @@ shows every key with its value and meaning, and each run saves that in
 output_dir/config.yaml.
 
 Values come from the YAML file, then from `section.key=value` overrides on the command
-line. A key the schema does not know, a value of the wrong type or an invalid value is a
-`ConfigError` that names the key; the entry points turn it into one line and exit code 2.
+line, each key once. Both read a value as YAML 1.2's core schema does (010 is 10, 0o10 is
+8, 1:00, 1_000 and yes are text; booleans are true and false). A key the schema does not
+know, a value of the wrong type or an invalid value is a `ConfigError` that names the key;
+the entry points turn it into one line and exit code 2.
 
 A field's type is bool, int, float, str, list[T], tuple[T, ...], a fixed tuple[T1, T2],
 T | None (null in YAML), Literal["a", "b"] or a dataclass (a sub-section, `model.head.x=1`),
@@ -114,6 +116,7 @@ class DistConfig:
 class Config:
     seed: int = 0
     output_dir: str = "runs/default"  # checkpoints, metrics.jsonl, the resolved config
+    provenance: bool = True  # record the git commit: runs git in the project folder; false: no git call
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -197,22 +200,61 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, base: dic
     sections = sections | parts.sections()
     schema = section_types(Config, sections)
     values = read_yaml(Path(path)) if path is not None else without_retired_keys(copy.deepcopy(base or {}), schema)
+    given = {}
     for override in overrides:
         key, sep, raw = override.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override {shown(override)} is not of the form section.key=value")
-        set_dotted(values, key.strip(), raw)
+        if key in given:  # as a key written twice in the file: which one was meant?
+            raise ConfigError(
+                f"{key} is given twice on the command line ({shown(given[key])}, then {shown(raw)}); give it once"
+            )
+        given[key] = raw
+        set_dotted(values, key, raw)
     for name, kind in schema.items():
         check_type(name, kind)
     try:
         return build(Config, values, prefix="", schema=schema)
     except UnknownKey as error:  # suggested from every key of the schema, the task's sections too
-        raise ConfigError(f"{error}{suggestion(error.key, sections)}") from None
+        raise ConfigError(unknown_key_message(error, all_keys(Config, sections))) from None
+
+
+# Keys that moved (old: new), for a config written before: train.* went to optim: and to
+# the parts' sections when those came (train.strategy=fsdp is fsdp.enabled=true now).
+MOVED_KEYS = {
+    **{f"train.{key}": f"optim.{key}" for key in ("lr", "momentum", "weight_decay", "scale_lr", "reference_batch")},
+    **{f"train.{key}": f"optim.{key}" for key in ("schedule", "warmup_epochs", "step_every_epochs", "step_gamma")},
+    "train.optimizer": "optim.name",
+    "train.warmup_steps": "optim.warmup_steps",
+    "train.ema_decay": "ema.decay",
+    "train.ema_start_step": "ema.start_step",
+    "train.early_stopping_patience": "early_stopping.patience",
+    "train.early_stopping_min_delta": "early_stopping.min_delta",
+    "train.freeze": "freeze.params",
+    "train.freeze_epochs": "freeze.epochs",
+    "train.profile_steps": "profiler.steps",
+    "train.profile_start_step": "profiler.start_step",
+    "train.profile_all_ranks": "profiler.all_ranks",
+    "train.tensorboard": "tracking.tensorboard",
+    "train.strategy": "fsdp.enabled",
+    "train.fsdp_cpu_offload": "fsdp.cpu_offload",
+}
+
+
+def unknown_key_message(error: "UnknownKey", known: list[str]) -> str:
+    """Where a moved key went, or the known key closest to what was typed, if one is close."""
+    moved = MOVED_KEYS.get(error.key)
+    if moved is None:
+        return f"{error}{suggestion(error.key, known)}"
+    section = moved.split(".")[0]
+    fix = "rename it" if moved in known else f"this project was generated without the {section} part"
+    return f"config key {error.key!r} moved to {moved!r}; {fix}"
 
 
 def without_retired_keys(values: dict, schema: dict[str, type]) -> dict:
     """A checkpoint's stored config without what this project's schema no longer has: keys
-    of the machinery's sections (e.g. optim.lr, now optim.lr) and the sections of parts it
+    of the machinery's sections (e.g. train.lr, now optim.lr) and the sections of parts it
     was generated without. The project's own sections (data, model, optim) stay as stored."""
     for name in list(values):
         kind = schema.get(name)
@@ -269,6 +311,44 @@ def parse_yaml(text: str, path: Path):
         raise ConfigError(f"{path}{where}: YAML syntax error: {problem}") from None
 
 
+# YAML 1.2's core schema (yaml.org/spec/1.2.2, 10.3): how a plain (unquoted) scalar's text
+# reads, by its tag; any other text is a string. PyYAML reads YAML 1.1 instead, where 010
+# is 8, 1:00 is 60 and yes is true: the command line would not agree with the file.
+def read_int(text: str) -> int:
+    if text.startswith(("0o", "0x")):
+        return int(text[2:], 8 if text[1] == "o" else 16)
+    return int(text)  # base 10, leading zeros too: 010 is 10
+
+
+def read_float(text: str) -> float:
+    if text.lstrip("+-.").lower() in ("inf", "nan"):  # .inf, -.inf, .nan: Python spells them without the dot
+        return float(text.replace(".", "", 1))
+    return float(text)
+
+
+CORE_SCHEMA = {
+    "tag:yaml.org,2002:null": (re.compile(r"null|Null|NULL|~|"), lambda text: None),
+    "tag:yaml.org,2002:bool": (re.compile(r"true|True|TRUE|false|False|FALSE"), lambda text: text.lower() == "true"),
+    "tag:yaml.org,2002:int": (re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+"), read_int),
+    "tag:yaml.org,2002:float": (
+        re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)"),
+        read_float,
+    ),
+}
+
+
+def core_tag(text: str) -> str | None:
+    """The tag YAML 1.2's core schema gives a plain scalar's text; None for a string."""
+    return next((tag for tag, (pattern, _) in CORE_SCHEMA.items() if pattern.fullmatch(text)), None)
+
+
+def read_scalar(text: str):
+    """A plain scalar's value as YAML 1.2's core schema reads it; ValueError for an integer
+    of more digits than Python converts (4300)."""
+    tag = core_tag(text)
+    return text if tag is None else CORE_SCHEMA[tag][1](text)
+
+
 def load_yaml(text: str):
     loader = ConfigLoader(text)
     try:
@@ -282,7 +362,13 @@ class RefusedYaml(yaml.constructor.ConstructorError):
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """yaml.safe_load's reading, stricter where a config needs it."""
+    """yaml.safe_load's reading, stricter where a config needs it, with YAML 1.2's core
+    schema for plain scalars (merge keys, <<, still merge)."""
+
+    def resolve(self, kind, value, implicit):
+        if kind is yaml.ScalarNode and implicit[0] and value != "<<":
+            return core_tag(value) or "tag:yaml.org,2002:str"
+        return super().resolve(kind, value, implicit)
 
     def construct_mapping(self, node, deep=False):
         # YAML keeps the last of two equal keys without a word: a section written twice
@@ -299,15 +385,30 @@ class ConfigLoader(yaml.SafeLoader):
             first_lines[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
 
-    def construct_yaml_int(self, node):
+    def construct_core_scalar(self, node):
+        text = self.construct_scalar(node)
+        pattern, read = CORE_SCHEMA[node.tag]
+        if not pattern.fullmatch(text):  # an explicit tag on other text: !!int 1:00
+            problem = f"{shown(text)} is not a {node.tag.rsplit(':', 1)[-1]} in YAML 1.2"
+            raise RefusedYaml(None, None, problem, node.start_mark)
         try:
-            return super().construct_yaml_int(node)
+            return read(text)
         except ValueError:  # more digits than Python converts (4300)
             problem = f"the number {shown(node.value)} is too long"
             raise RefusedYaml(None, None, problem, node.start_mark) from None
 
+    yaml_constructors = {**yaml.SafeLoader.yaml_constructors, **dict.fromkeys(CORE_SCHEMA, construct_core_scalar)}
 
-ConfigLoader.add_constructor("tag:yaml.org,2002:int", ConfigLoader.construct_yaml_int)
+
+class ConfigDumper(yaml.SafeDumper):
+    """yaml.safe_dump's writing, which also quotes text that YAML 1.2 reads as another type
+    (1e5, 0o17): a saved config reads back the same here and in a YAML 1.1 reader."""
+
+    def resolve(self, kind, value, implicit):
+        tag = super().resolve(kind, value, implicit)
+        if kind is yaml.ScalarNode and implicit[0] and tag == "tag:yaml.org,2002:str":
+            return core_tag(value) or tag
+        return tag
 
 
 def set_dotted(values: dict, key: str, raw: str) -> None:
@@ -370,7 +471,6 @@ def build(cls: type, values, prefix: str, schema: dict[str, type] | None = None)
 
 
 SCALARS = (bool, int, float, str)
-NULLS = ("null", "~")  # YAML's spellings of null, on the command line too
 
 
 def optional_of(kind):
@@ -432,7 +532,7 @@ def convert(key: str, value, kind):
 
 
 def is_null(value) -> bool:
-    return value is None or (isinstance(value, CliValue) and value.strip() in NULLS)
+    return value is None or (isinstance(value, CliValue) and core_tag(value.strip()) == "tag:yaml.org,2002:null")
 
 
 def parse_flow(key: str, text: str):
@@ -471,8 +571,6 @@ def as_kind(key: str, value, kind: type):
         return convert_text(key, str(value), kind)
     if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
         return float(value)
-    if kind is float and isinstance(value, str):
-        return convert_text(key, value, kind)  # YAML reads 1e-3 (no dot) as a string
     if type(value) is kind:
         return value
     got = "null" if value is None else type(value).__name__
@@ -489,13 +587,13 @@ def check_sensible(key: str, value) -> None:
 
 
 def convert_text(key: str, text: str, kind: type):
-    try:
-        if kind is bool:
-            return {"true": True, "false": False}[text.strip().lower()]
-        if kind in (int, float):
-            return kind(text)
+    """Text typed for a str field as it is; for another, its value as in the file."""
+    if kind is str:
         return text
-    except (KeyError, ValueError):
+    try:
+        value = read_scalar(text.strip())
+        return value if type(value) is kind else as_kind(key, value, kind)
+    except (ConfigError, ValueError):
         raise ConfigError(f"{key} must be {kind.__name__}, got {shown(text)}") from None
 
 
@@ -510,13 +608,14 @@ def all_keys(cls: type, sections: dict[str, type], prefix: str = "") -> list[str
     return keys
 
 
-def suggestion(key: str, sections: dict[str, type]) -> str:
+def suggestion(key: str, known: list[str]) -> str:
+    """A known key close to `key`: the one key of the same name in another section
+    (model.lr: optim.lr), or one a typo or two away (optim.lrr: optim.lr); else nothing."""
     if "[" in key:  # in a list's item: the schema's keys do not name items
         return ""
-    known = all_keys(Config, sections)
     leaf = key.rsplit(".", 1)[-1]
-    moved = [k for k in known if k.rsplit(".", 1)[-1] == leaf]  # e.g. train.lr, now optim.lr
-    close = moved or difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+    same_name = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
+    close = same_name if len(same_name) == 1 else difflib.get_close_matches(key, known, n=1, cutoff=0.8)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -581,7 +680,7 @@ def field_default(f: dataclasses.Field):
 
 def yaml_scalar(value) -> str:
     """`value` as one line of YAML that reads back as the same value."""
-    text = yaml.safe_dump(plain(value), default_flow_style=True, width=math.inf)
+    text = yaml.dump(plain(value), Dumper=ConfigDumper, default_flow_style=True, width=math.inf)
     return text.removesuffix("\n...\n").strip()
 
 

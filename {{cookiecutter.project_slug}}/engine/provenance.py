@@ -1,14 +1,24 @@
 """What produced a run: the code's git commit, the versions, the launch and its hosts.
 
 Recorded in every checkpoint ("provenance") and in the header of output_dir/config.yaml;
-the run's opening line says the commit. A project outside a git repository (or without
-git) records no commit, and says so.
+the run's opening line says the commit. A project outside a git repository records no
+commit, and says so; so does a run where git is missing, fails or does not answer, or
+where the config's `provenance` is false (then no git runs at all).
+
+git runs in the project folder (rev-parse HEAD, then status --porcelain), under the
+repository's own settings: its fsmonitor command (core.fsmonitor), optional locks and
+prompts are turned off; what else the repository names (a filter) may run, and is
+stopped with git after GIT_TIMEOUT seconds.
 """
 
+import contextlib
 import importlib.metadata
+import os
 import platform
+import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import torch
@@ -16,33 +26,78 @@ import torch
 from engine.distributed import DistEnv, all_gather_objects, broadcast_from_main, is_main
 
 
-def describe_run(env: DistEnv, code: Path) -> dict:
-    """The run's provenance, the same on every rank: `code` is the project's folder.
-    Every rank must call this (it gathers the host names)."""
+def describe_run(env: DistEnv, code: Path, record_git: bool = True) -> dict:
+    """The run's provenance, the same on every rank: `code` is the project's folder;
+    `record_git`: whether git is asked for its commit (the config's `provenance`). Every
+    rank must call this (it gathers the host names)."""
     hosts = all_gather_objects(socket.gethostname())
+    state = (git_state(code) if record_git else NOT_ASKED) if is_main() else None
     return {
-        "git": broadcast_from_main(git_state(code) if is_main() else None),  # one git call per job
+        "git": broadcast_from_main(state),  # one git call per job
         "versions": versions(),
         "launch": {"launcher": env.launcher, "world_size": env.world_size, "nodes": len(set(hosts))},
         "hosts": list(dict.fromkeys(hosts)),  # in rank order, each once
     }
 
 
-def git_state(folder: Path) -> dict | None:
+GIT_TIMEOUT = 10  # seconds for both git calls: a repository's own hooks or filters may hang
+NOT_ASKED = {"unknown": "git commit not recorded (provenance=false)"}
+
+
+class GitFailed(Exception):
+    """git did not say: the message is why, for the run's opening line."""
+
+
+class GitHung(GitFailed):
+    """git did not answer in time; it was stopped, with all it started."""
+
+
+def git_state(folder: Path, timeout: float = GIT_TIMEOUT) -> dict | None:
     """{"commit": sha, "dirty": whether tracked or new files differ from it}; None outside
-    a git repository."""
+    a git repository; {"unknown": why} where git is missing, fails or does not answer."""
+    deadline = time.monotonic() + timeout
     try:
-        head = git(folder, "rev-parse", "HEAD")
-        changes = git(folder, "status", "--porcelain") if head else ""
-    except (OSError, subprocess.SubprocessError):  # no git, or it hangs
+        head = git(folder, deadline, "rev-parse", "HEAD")
+        if head is None:
+            return None
+        changes = git(folder, deadline, "status", "--porcelain")
+    except GitHung:
+        return {"unknown": f"git state unknown: git did not answer within {timeout:g} s"}
+    except GitFailed as error:
+        return {"unknown": f"git state unknown: {error}"}
+    return {"commit": head, "dirty": bool(changes)}
+
+
+# With core.fsmonitor=false (below) git runs no fsmonitor command of the repository; it
+# takes no optional lock (a run must not block the user's git), asks nothing, speaks English.
+GIT_ENV = {"GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C"}
+
+
+def git(folder: Path, deadline: float, *args: str) -> str | None:
+    """git's output; None outside a repository. Its own session, so that a timeout stops
+    whatever it started too (a hook, a filter), not git alone."""
+    command = ["git", "-c", "core.fsmonitor=false", *args]
+    env = {**os.environ, **GIT_ENV}
+    pipes = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
+    try:
+        process = subprocess.Popen(command, cwd=folder, env=env, text=True, start_new_session=True, **pipes)
+    except FileNotFoundError:
+        raise GitFailed("git is not installed") from None
+    except OSError as error:
+        raise GitFailed(f"git cannot start: {error.strerror}") from None
+    with process:  # closes the pipes without reading on: what git started may hold them
+        try:
+            out, err = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):  # the whole session's group: git's children too
+                os.killpg(process.pid, signal.SIGKILL)
+            raise GitHung() from None
+    if process.returncode == 0:
+        return out.strip()
+    if "not a git repository" in err:
         return None
-    return {"commit": head, "dirty": bool(changes)} if head else None
-
-
-def git(folder: Path, *args: str) -> str:
-    """git's output, or "" where it fails (e.g. not a repository)."""
-    done = subprocess.run(["git", *args], cwd=folder, capture_output=True, text=True, timeout=30)
-    return done.stdout.strip() if done.returncode == 0 else ""
+    first = err.strip().splitlines()[0] if err.strip() else f"exit code {process.returncode}"
+    raise GitFailed(f"git {args[0]} failed: {first}")
 
 
 def versions() -> dict:
@@ -65,6 +120,8 @@ def commit_line(provenance: dict) -> str:
     state = provenance["git"]
     if state is None:
         return "no git commit (not a git repository)"
+    if "unknown" in state:
+        return state["unknown"]
     return f"commit {state['commit'][:12]}{' (uncommitted changes)' if state['dirty'] else ''}"
 
 

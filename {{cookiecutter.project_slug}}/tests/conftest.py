@@ -68,14 +68,14 @@ def project_config(path=None, overrides=(), base=None):
     from model import ModelConfig
     from recipe import OptimConfig
 
-    return load_config(path, list(overrides), base=base, data=DataConfig, model=ModelConfig, optim=OptimConfig)
+    return load_config(path, last_wins(overrides), base=base, data=DataConfig, model=ModelConfig, optim=OptimConfig)
 
 
 def reference_config(path=None, overrides=(), base=None):
     """A config of the reference task, which the machinery's tests train."""
     task = reference_task()
     sections = {"data": task.data.DataConfig, "model": task.model.ModelConfig, "optim": task.recipe.OptimConfig}
-    return load_config(path, list(overrides), base=base, **sections)
+    return load_config(path, last_wins(overrides), base=base, **sections)
 
 
 @functools.cache
@@ -127,7 +127,15 @@ def command(script, args, nproc=None, torchrun_args=()):
     if nproc is not None:
         rendezvous = [] if any(arg.startswith("--rdzv") for arg in torchrun_args) else ["--standalone"]
         launcher += ["-m", "torch.distributed.run", *rendezvous, f"--nproc_per_node={nproc}", *torchrun_args]
-    return [*launcher, script, *map(str, args)]
+    return [*launcher, script, *last_wins(args)]
+
+
+def last_wins(args) -> list[str]:
+    """`args` with each `key=value` setting once, at its last value: a test's own settings
+    on top of FAST's (the config refuses a key given twice on the command line)."""
+    args = list(map(str, args))
+    keys = [arg.partition("=")[0] if "=" in arg and not arg.startswith("-") else None for arg in args]
+    return [arg for i, (arg, key) in enumerate(zip(args, keys, strict=True)) if key is None or key not in keys[i + 1 :]]
 
 
 def clean_env(extra=None) -> dict:
@@ -184,7 +192,7 @@ def run_forked(script, args, nproc, env, timeout, cwd) -> subprocess.CompletedPr
     envs = [env] if nproc is None else rank_environments(env, nproc)
     with tempfile.TemporaryDirectory(prefix="run-") as logs:
         out, err = Path(logs, "stdout"), Path(logs, "stderr")
-        request = dict(script=str(script), args=list(map(str, args)), cwd=str(cwd), envs=envs, timeout=timeout)
+        request = dict(script=str(script), args=last_wins(args), cwd=str(cwd), envs=envs, timeout=timeout)
         reply = ask_rank_server({**request, "stdout": str(out), "stderr": str(err), "id": logs})
         stdout, stderr = (path.read_text() if path.exists() else "" for path in (out, err))
     cmd = command(script, args, nproc)

@@ -8,8 +8,26 @@ from typing import ClassVar, Literal, Optional
 import pytest
 import yaml
 
-from conftest import PROJECT, REFERENCE_TASK, machinery_project, project_config, reference_config
-from engine.config import Config, check_positive, format_config, load_config, save_config, shown
+from conftest import (
+    PROJECT,
+    REFERENCE_TASK,
+    STRATEGIES,
+    machinery_project,
+    project_config,
+    reference_config,
+    reference_task,
+)
+from engine import parts
+from engine.config import (
+    MOVED_KEYS,
+    Config,
+    all_keys,
+    check_positive,
+    format_config,
+    load_config,
+    save_config,
+    shown,
+)
 from engine.errors import ConfigError
 
 CONFIG_YAML = REFERENCE_TASK / "config.yaml"
@@ -39,7 +57,7 @@ def test_yaml_float_without_dot_is_accepted(tmp_path):
     "override, message",
     [
         ("optim.lrr=0.1", "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"),
-        ("train.lr=0.1", "unknown config key 'train.lr' (did you mean 'optim.lr'?)"),  # moved there
+        ("train.lr=0.1", "config key 'train.lr' moved to 'optim.lr'; rename it"),
         ("lr=0.1", "unknown config key 'lr' (did you mean 'optim.lr'?)"),
         ("train.epochs=ten", "train.epochs must be int, got 'ten'"),
         ("data.augment=maybe", "data.augment must be bool, got 'maybe'"),
@@ -163,15 +181,16 @@ def test_finite_numbers_too_large_to_mean_anything_are_refused(override, message
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("optim.lr=nan", "optim.lr must be a finite number, got nan"),
-        ("optim.momentum=inf", "optim.momentum must be a finite number, got inf"),
-        ("optim.weight_decay=nan", "optim.weight_decay must be a finite number, got nan"),
-        ("train.grad_clip=nan", "train.grad_clip must be a finite number, got nan"),
-        ("optim.warmup_epochs=inf", "optim.warmup_epochs must be a finite number, got inf"),
+        ("optim.lr=.nan", "optim.lr must be a finite number, got nan"),
+        ("optim.momentum=.inf", "optim.momentum must be a finite number, got inf"),
+        ("optim.weight_decay=.NaN", "optim.weight_decay must be a finite number, got nan"),
+        ("train.grad_clip=.NAN", "train.grad_clip must be a finite number, got nan"),
+        ("optim.warmup_epochs=+.inf", "optim.warmup_epochs must be a finite number, got inf"),
         ("optim.lr=1e400", "optim.lr must be a finite number, got inf"),
-        ("dist.timeout_minutes=nan", "dist.timeout_minutes must be a finite number, got nan"),
-        ("dist.bucket_cap_mb=-inf", "dist.bucket_cap_mb must be a finite number, got -inf"),
-        ("model.dropout=nan", "model.dropout must be a finite number, got nan"),  # the task's sections too
+        ("dist.timeout_minutes=.nan", "dist.timeout_minutes must be a finite number, got nan"),
+        ("dist.bucket_cap_mb=-.inf", "dist.bucket_cap_mb must be a finite number, got -inf"),
+        ("model.dropout=.nan", "model.dropout must be a finite number, got nan"),  # the task's sections too
+        ("optim.lr=nan", "optim.lr must be float, got 'nan'"),  # YAML 1.2 writes .nan; nan is text
     ],
 )
 def test_non_finite_numbers_are_refused(override, message):
@@ -256,7 +275,9 @@ def test_control_character_in_config_names_its_line(tmp_path):
 @pytest.mark.parametrize(
     "config, args, message",
     [
-        (None, ["optim.lr=nan"], "error: optim.lr must be a finite number, got nan"),
+        (None, ["optim.lr=.nan"], "error: optim.lr must be a finite number, got nan"),
+        (None, ["optim.lr=0.1", "optim.lr=0.2"], "error: optim.lr is given twice on the command line ('0.1', then"),
+        ("train:\n  optimizer: adamw\n", [], "error: config key 'train.optimizer' moved to 'optim.name'; rename it"),
         ("optim:\n  lr: 0.1\n  lr: 0.2\n", [], "error: bad.yaml line 3: key 'lr' is written twice in one section"),
         (b"optim:\n  lr: 0.1 \xff\n", [], "error: config file 'bad.yaml' is not UTF-8 text: byte 0xff at position 17"),
     ],
@@ -378,13 +399,13 @@ def test_optional_text_from_the_command_line_stays_text():
         ("model.widths=[32", "model.widths must be a YAML value such as [1, 2], got '[32'"),
         ("model.size=[1,2,3]", "model.size must be tuple[int, int]: 2 items, got 3: [1, 2, 3]"),
         ("model.size=[1,true]", "model.size[1] must be int, got bool True"),
-        ("model.scales=[1.0,nan]", "model.scales[1] must be a finite number, got nan"),
+        ("model.scales=[1.0,.nan]", "model.scales[1] must be a finite number, got nan"),
         ("model.offset=abc", "model.offset must be int, got 'abc'"),
         ("model.act=tanh", "model.act must be one of relu, gelu; got 'tanh'"),
         ("model.head.dropout=x", "model.head.dropout must be float, got 'x'"),
         ("model.head.widths=[1,[2]]", "model.head.widths[1] must be int, got list [2]"),
         ("model.head.dropoutt=1", "unknown config key 'model.head.dropoutt' (did you mean 'model.head.dropout'?)"),
-        ("model.heads=[{dropout: x}]", "model.heads[0].dropout must be float, got 'x'"),
+        ("model.heads=[{dropout: x}]", "model.heads[0].dropout must be float, got str 'x'"),
         ("model.extra.dropot=1", "unknown config key 'model.extra.dropot' (did you mean 'model.extra.dropout'?)"),
         ("model.heads=[{drop: 1}]", "unknown config key 'model.heads[0].drop'"),
         ("model.heads=[3]", "model.heads[0] must be a section (key: value lines)"),
@@ -469,3 +490,123 @@ def test_config_from_a_checkpoint_dict_gets_its_tuples_back():
     loaded = rich_config(None, [], base=stored)
     assert loaded == cfg and type(loaded.model.size) is tuple and type(loaded.model.heads[1].widths) is tuple
     assert rich_config(None, [], base=cfg.to_dict()) == cfg
+
+
+# The file and the command line read a value alike, as YAML 1.2's core schema does: 010 is
+# 10, 0o10 is 8, 1:00 and yes are text, booleans are true and false only.
+
+
+@dataclass
+class Scalars:
+    count: int = 0
+    rate: float = 0.0
+    flag: bool = False
+    limit: int | None = 0
+    sizes: list[int] = field(default_factory=list)
+
+
+SPELLINGS = [
+    *("010", "0o10", "0x1F", "0b11", "1_000", "1:00", "1e-3", "1E3", ".5", "1.", "+1", "-0"),
+    *(".inf", "-.inf", ".nan", "nan", "inf", "yes", "on", "off", "y", "True", "TRUE", "tRuE", "false"),
+    *("null", "~", "NULL", "2024-01-01"),
+]
+
+
+def read_value(name, path=None, overrides=()):
+    """model.`name` as read (its repr: 1, 1.0 and True apart), or "refused" by an error naming it."""
+    try:
+        value = getattr(rich_config(path, overrides, model=Scalars).model, name)
+    except ConfigError as error:
+        assert str(error).startswith(f"model.{name}"), str(error)
+        return "refused"
+    return repr(value)
+
+
+def from_file(tmp_path, name, spelling):
+    return read_value(name, write(tmp_path, f"model:\n  {name}: {spelling}\n"))
+
+
+def from_command_line(name, spelling):
+    return read_value(name, overrides=[f"model.{name}={spelling}"])
+
+
+@pytest.mark.parametrize("spelling", SPELLINGS)
+@pytest.mark.parametrize("name", ["count", "rate", "flag", "limit"])
+def test_the_file_and_the_command_line_read_a_value_alike(tmp_path, name, spelling):
+    assert from_file(tmp_path, name, spelling) == from_command_line(name, spelling)
+
+
+@pytest.mark.parametrize(
+    "name, spelling, value",
+    [
+        *[("count", s, v) for s, v in [("010", 10), ("0o10", 8), ("0x1F", 31), ("+1", 1), ("-0", 0)]],
+        *[("count", s, "refused") for s in ("1_000", "1:00", "0b11", "1e3", "yes", "1.0")],
+        *[("rate", s, v) for s, v in [("1e-3", 0.001), ("1E3", 1000.0), (".5", 0.5), ("1.", 1.0), ("010", 10.0)]],
+        *[("rate", s, "refused") for s in ("1_000.5", "1:00.5", ".inf", ".nan", "nan", "inf")],
+        *[("flag", s, True) for s in ("true", "True", "TRUE")],
+        *[("flag", s, "refused") for s in ("yes", "on", "y", "tRuE", "1")],
+        *[("limit", s, None) for s in ("null", "Null", "NULL", "~")],
+        *[("sizes", s, v) for s, v in [("[010, 0o10, 0x10]", [10, 8, 16]), ("[+1, -0]", [1, 0])]],
+        *[("sizes", s, "refused") for s in ("[1_000]", "[1:00]", "[yes]")],
+    ],
+)
+def test_values_read_as_yaml_1_2s_core_schema_says(tmp_path, name, spelling, value):
+    expected = value if value == "refused" else repr(value)
+    assert from_file(tmp_path, name, spelling) == expected
+    assert from_command_line(name, spelling) == expected
+
+
+def test_text_that_yaml_1_2_reads_as_a_number_is_saved_quoted(tmp_path):
+    """A saved config reads back as the same value, here and in a YAML 1.1 reader."""
+    for text in ("1e5", "0o17", "+.5", "yes", "010", "1:00"):  # numbers in YAML 1.2, then in YAML 1.1
+        cfg = rich_config(None, [f"model.tag={text}"])
+        save_config(cfg, tmp_path / "resolved.yaml")
+        assert rich_config(tmp_path / "resolved.yaml").model.tag == text
+        assert yaml.safe_load((tmp_path / "resolved.yaml").read_text())["model"]["tag"] == text
+
+
+def test_a_key_given_twice_on_the_command_line_is_refused():
+    with pytest.raises(ConfigError) as error:
+        rich_config(None, ["model.offset=1", "model.act=gelu", " model.offset =2"])
+    assert str(error.value) == "model.offset is given twice on the command line ('1', then '2'); give it once"
+
+
+FSDP_MOVE = "config key 'train.strategy' moved to 'fsdp.enabled'; " + (
+    "rename it" if "fsdp" in STRATEGIES else "this project was generated without the fsdp part"
+)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("train.optimizer=adamw", "config key 'train.optimizer' moved to 'optim.name'; rename it"),
+        ("train.lr=0.1", "config key 'train.lr' moved to 'optim.lr'; rename it"),
+        ("train.warmup_epochs=2", "config key 'train.warmup_epochs' moved to 'optim.warmup_epochs'; rename it"),
+        ("train.strategy=fsdp", FSDP_MOVE),
+        ("optim.lrr=0.1", "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"),
+        ("train.compiled=true", "unknown config key 'train.compiled' (did you mean 'train.compile'?)"),
+        ("model.lr=0.1", "unknown config key 'model.lr' (did you mean 'optim.lr'?)"),  # in another section
+        ("train.zzz=1", "unknown config key 'train.zzz'"),
+        ("train.optimiser=sgd", "unknown config key 'train.optimiser'"),
+        ("bogus=1", "unknown config key 'bogus'"),
+    ],
+)
+def test_a_moved_key_says_where_it_went_and_a_suggestion_is_close(override, message):
+    with pytest.raises(ConfigError) as error:
+        reference_config(None, [override])
+    assert str(error.value) == message
+
+
+def test_a_moved_key_in_a_file_says_where_it_went(tmp_path):
+    with pytest.raises(ConfigError) as error:
+        reference_config(write(tmp_path, "train:\n  epochs: 2\n  optimizer: adamw\n"))
+    assert str(error.value) == "config key 'train.optimizer' moved to 'optim.name'; rename it"
+
+
+def test_each_moved_key_is_gone_and_goes_to_a_key_of_the_schema_or_of_a_part():
+    task = reference_task()
+    sections = {"data": task.data.DataConfig, "model": task.model.ModelConfig, "optim": task.recipe.OptimConfig}
+    known = set(all_keys(Config, sections | parts.sections()))
+    parts_not_here = {"ema", "early_stopping", "freeze", "fsdp", "profiler", "tracking"} - parts.sections().keys()
+    for old, new in MOVED_KEYS.items():
+        assert old not in known and (new in known or new.split(".")[0] in parts_not_here), (old, new)

@@ -3,15 +3,23 @@ commit and whether the code differed from it, the versions, the launch and its h
 every checkpoint, the saved config's header and the run's opening line; and rank 0's
 lines, in output_dir/train.log across resumes."""
 
+import contextlib
+import os
 import platform
 import shutil
+import signal
 import socket
 import subprocess
+import time
+from pathlib import Path
 
+import pytest
 import torch
 import yaml
 
-from conftest import FAST, load_checkpoint, machinery_project, run_script
+from conftest import FAST, load_checkpoint, machinery_project, reference_config, run_script
+from engine.distributed import DistEnv
+from engine.provenance import commit_line, describe_run, git_state
 
 RUN = [*FAST, "data.train_size=256", "train.epochs=1"]
 
@@ -70,3 +78,96 @@ def test_rank_0s_lines_go_to_train_log_across_resumes_with_the_error_that_ends_a
     assert "stopped at step 5" in first and "resumed from" in second
     assert logged[-1] == failed.stderr.strip().splitlines()[-1]
     assert logged[-1].startswith("error: checkpoint.best_metric is 'val_nope'")
+
+
+# The git call is the project folder's own code running: a repository's settings may name
+# commands (core.fsmonitor, a filter). It runs without the ones it can turn off, on a
+# short leash, and not at all with provenance=false.
+
+
+def committed_repo(tmp_path) -> tuple[Path, str]:
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    (repo / "model.py").write_text("# the project\n")
+    git(repo, "init", "-q")
+    git(repo, "add", ".")
+    git(repo, "commit", "-q", "-m", "the project")
+    return repo, git(repo, "rev-parse", "HEAD").strip()
+
+
+def script(path: Path, text: str) -> Path:
+    path.write_text(f"#!/bin/sh\n{text}\n")
+    path.chmod(0o755)
+    return path
+
+
+def fake_git(tmp_path, monkeypatch, text: str) -> None:
+    """A `git` first on PATH that runs `text`."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    script(bin_dir / "git", text)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+
+
+def test_the_git_call_runs_no_fsmonitor_command_of_the_repository(tmp_path):
+    repo, head = committed_repo(tmp_path)
+    marker = tmp_path / "fsmonitor-ran"
+    git(repo, "config", "core.fsmonitor", str(script(tmp_path / "fsmonitor", f"touch {marker}")))
+    assert git_state(repo) == {"commit": head, "dirty": False}
+    assert not marker.exists()
+
+
+def gone(pid: int) -> bool:
+    """No such process, or only its exit status is left (a zombie)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_a_git_that_hangs_is_stopped_with_what_it_started_and_the_run_says_so(tmp_path, monkeypatch):
+    child = tmp_path / "child.pid"
+    fake_git(tmp_path, monkeypatch, f"sleep 600 &\necho $! > {child}\nwait")
+    state = git_state(tmp_path, timeout=1)
+    assert commit_line({"git": state}) == "git state unknown: git did not answer within 1 s"
+    pid = int(child.read_text())
+    deadline = time.monotonic() + 10  # the kill is sent; its delivery is the kernel's
+    while not gone(pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        assert gone(pid)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)  # nothing left behind by a failure
+
+
+@pytest.mark.parametrize(
+    "case, line",
+    [
+        ("outside a repository", "no git commit (not a git repository)"),
+        (
+            "a broken repository",
+            "git state unknown: git rev-parse failed: fatal: bad config line 1 in file .git/config",
+        ),
+        ("no git", "git state unknown: git is not installed"),
+    ],
+)
+def test_why_a_run_has_no_commit_is_said_truthfully(tmp_path, monkeypatch, case, line):
+    folder = tmp_path / "project"
+    folder.mkdir()
+    if case == "a broken repository":
+        folder, _ = committed_repo(tmp_path)
+        (folder / ".git" / "config").write_text("[core\n")
+    elif case == "no git":
+        monkeypatch.setenv("PATH", str(tmp_path / "no-such-folder"))
+    assert commit_line({"git": git_state(folder)}) == line
+
+
+def test_provenance_false_runs_no_git(tmp_path, monkeypatch):
+    repo, _ = committed_repo(tmp_path)
+    marker = tmp_path / "git-ran"
+    fake_git(tmp_path, monkeypatch, f"touch {marker}\nexit 1")
+    record = describe_run(DistEnv(), repo, record_git=False)
+    assert commit_line(record) == "git commit not recorded (provenance=false)"
+    assert not marker.exists()
+    assert reference_config(None, ["provenance=false"]).provenance is False

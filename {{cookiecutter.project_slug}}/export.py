@@ -25,6 +25,7 @@ predict.py runs any of them on new inputs.
 
 import argparse
 import io
+import os
 from pathlib import Path
 
 import safetensors.torch
@@ -35,10 +36,11 @@ from torch.utils.data import default_collate
 import data
 import model as task
 from data import DataConfig, build_datasets
-from engine.checkpoint import atomic_write, load_model_state, load_model_weights
-from engine.config import load_config
+from engine.checkpoint import load_model_state, load_model_weights
+from engine.config import ConfigDumper, load_config
 from engine.distributed import is_main
 from engine.errors import UsageError
+from engine.files import already_exists, write_new_file
 from engine.logs import report_errors
 from model import ModelConfig, build_model
 from recipe import OptimConfig
@@ -62,13 +64,13 @@ def main(argv=None) -> None:
     if len(set(files)) < len(files):  # e.g. --out model.pt2 with --program: the program would replace the weights
         raise UsageError(f"--out {str(out)!r} is named as a file written beside it; end it in .pt, e.g. model.pt")
     for path in files:
-        if path.exists():  # it may be a checkpoint: never overwrite one
-            raise UsageError(f"{str(path)!r} already exists; choose another --out or remove it first")
+        if os.path.lexists(path):  # it may be a checkpoint, or a link: never written through
+            raise already_exists(path)
     weights, config = load_model_state(args.checkpoint)
     writers = [
         lambda f: torch.save(weights, f),
         lambda f: f.write(safetensors.torch.save(unshared(weights))),
-        lambda f: f.write(yaml.safe_dump(config, sort_keys=False).encode()),
+        lambda f: f.write(yaml.dump(config, Dumper=ConfigDumper, sort_keys=False).encode()),
     ]
     if args.program:
         program = export_program(weights, config)
@@ -78,11 +80,13 @@ def main(argv=None) -> None:
     try:
         out.parent.mkdir(parents=True, exist_ok=True)
         for path, write in zip(files, writers, strict=True):
-            atomic_write(out.parent, path.name, write)
+            write_new_file(path, write)  # created, never replacing a file that appeared meanwhile
             written.append(path)
-    except OSError as error:  # a file in the way, a read-only or full disk: nothing is left behind
+    except BaseException as error:  # another run's file, a file in the way, a full disk: nothing of ours is left
         for path in written:
             path.unlink()
+        if not isinstance(error, OSError):
+            raise
         reason = f"{error.filename!r} is a file" if isinstance(error, FileExistsError) else error.strerror
         raise UsageError(
             f"cannot write {str(out)!r}: {reason or error}; choose an --out in a writable folder "

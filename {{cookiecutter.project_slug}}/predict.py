@@ -11,17 +11,20 @@ makes each input's result. Key=value overrides apply to the model's settings (e.
 train.eval_batch_size=64 train.num_workers=8).
 
 Each process holds the whole model and predicts whole batches, dealt as evaluation deals
-them, into a file beside --out; rank 0 then joins them in input order (on several nodes,
---out's folder must be one they all see). A batch holds the same inputs on any number of
-processes, so the file is the same, to the bit, on any number.
+them, into its file in a hidden folder of this run's own beside --out; rank 0 then joins
+them in input order (on several nodes, --out's folder must be one they all see). A batch
+holds the same inputs on any number of processes, so the file is the same, to the bit, on
+any number. --out is created, never replaced: if it appears meanwhile (another run's),
+this run stops in one line. A file a user hands in is read as data: nothing in it runs
+(docs/checkpoints.md says what is refused).
 """
 
 import argparse
 import json
-import logging
+import os
+import shutil
 from pathlib import Path
 
-import safetensors.torch
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -30,10 +33,17 @@ from torch.export.passes import move_to_device_pass
 import data
 import model as task
 from data import DataConfig
-from engine.checkpoint import atomic_write, load_checkpoint, load_model_state, load_model_weights, load_plain
+from engine.checkpoint import load_checkpoint, load_exported_weights, load_model_state, load_model_weights, load_program
 from engine.config import load_config
-from engine.distributed import cleanup_distributed, init_distributed_mode, is_main, stop_all_if_any_fails
+from engine.distributed import (
+    broadcast_from_main,
+    cleanup_distributed,
+    init_distributed_mode,
+    is_main,
+    stop_all_if_any_fails,
+)
 from engine.errors import TaskError, UsageError
+from engine.files import already_exists, open_new, private_folder, write_new_file
 from engine.loader import build_val_loader, move_to_device
 from engine.logs import report_errors
 from engine.precision import autocast
@@ -57,32 +67,36 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     source, out = Path(args.checkpoint), Path(args.out)
-    if out.exists():  # it may be last week's predictions: never overwrite
-        raise UsageError(f"{str(out)!r} already exists; choose another --out or remove it first")
+    if os.path.lexists(out):  # it may be last week's predictions, or a link: never written through
+        raise already_exists(out)
     build_predict_set, predict_step = task_hooks()
     sections = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig}
     ckpt = None if is_export(source) else load_checkpoint(source, tensors=False)  # a file's weights too
     base = ckpt.get("config") if ckpt else None
     cfg = load_config(args.config or saved_settings(source), args.overrides, base=base, **sections)
     env, device = init_distributed_mode(cfg.dist)
-    share = out.parent / f".{out.name}.rank{env.rank}.tmp"  # this rank's lines, joined by rank 0
+    parts = None  # this run's folder of the ranks' lines, joined by rank 0
     try:
         with stop_all_if_any_fails(device):
             inputs = build_predict_set(cfg, args.inputs)
             model = load_predictor(source, ckpt, cfg, device)
-            out.parent.mkdir(parents=True, exist_ok=True)
+            parts = private_folder(out) if is_main() else None
+        parts = broadcast_from_main(parts)
         check_same_inputs(len(inputs), device)
         hooks = {"collate_fn": getattr(data, "collate_fn", None), "worker_init_fn": leave_stop_signals_to_the_rank}
         with build_val_loader(inputs, cfg, env, device, **hooks) as loader:
             with stop_all_if_any_fails(device):
-                predict_own_batches(model, loader, predict_step, share, device, cfg.train.precision)
-            with stop_all_if_any_fails(device):  # every rank waits here until rank 0 has read the shares
+                predict_own_batches(model, loader, predict_step, parts / f"rank{env.rank}", device, cfg.train.precision)
+            with stop_all_if_any_fails(device):  # every rank waits here until rank 0 has read the parts
                 if is_main():
-                    join_shares(out, loader.batch_sampler, env.world_size)
+                    join_parts(out, parts, loader.batch_sampler, env.world_size)
         if is_main():
             print(f"wrote {out}: {len(inputs)} predictions, one JSON line per input", flush=True)
     finally:
-        share.unlink(missing_ok=True)
+        if parts is not None:
+            (parts / f"rank{env.rank}").unlink(missing_ok=True)
+            if is_main():
+                shutil.rmtree(parts, ignore_errors=True)
         cleanup_distributed()
 
 
@@ -137,14 +151,10 @@ def load_predictor(source: Path, ckpt: dict | None, cfg, device: torch.device) -
     """The model in eval mode: an export's program, or the model of cfg holding the weights
     of an export's file or of a checkpoint (`ckpt`: what load_checkpoint read of it)."""
     if source.suffix == ".pt2":
-        return load_program(source, device)
-    if source.suffix == ".safetensors":
-        try:
-            weights = safetensors.torch.load_file(source)
-        except Exception as error:  # noqa: BLE001
-            raise UsageError(f"cannot read {str(source)!r} as safetensors ({error}); export it again") from None
-    elif ckpt is None:
-        weights = load_plain(source)
+        # Traced in eval mode; the pass moves its constants too, which .to() leaves behind.
+        return CheckedInputs(move_to_device_pass(load_program(source), device), source)
+    if ckpt is None:
+        weights = load_exported_weights(source)
     else:  # a file's weights were read with its settings; a folder's are read now
         weights = ckpt["model"] if "model" in ckpt else load_model_state(source)[0]
     model = build_model(cfg)
@@ -152,25 +162,37 @@ def load_predictor(source: Path, ckpt: dict | None, cfg, device: torch.device) -
     return model.to(device).eval()
 
 
-def load_program(source: Path, device: torch.device) -> torch.nn.Module:
-    """A torch.export program as a module on `device` (traced in eval mode; the pass moves
-    its constants too, which .to() leaves behind). torch's own log of why a file would not
-    load is a traceback, kept quiet here for the one line below."""
-    log = logging.getLogger("torch.export")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        return move_to_device_pass(torch.export.load(source), device).module()
-    except Exception as error:  # noqa: BLE001  a missing, truncated or foreign file alike
-        raise UsageError(f"cannot load {str(source)!r} as a torch.export program ({error}); export again") from None
-    finally:
-        log.setLevel(level)
+class CheckedInputs(torch.nn.Module):
+    """A torch.export program's module that first compares its inputs with the shapes the
+    program was traced for (torch's own refusal is a long traceback): one line naming both.
+    A free size (the batch) takes any length."""
+
+    def __init__(self, program: torch.export.ExportedProgram, source: Path):
+        super().__init__()
+        self.program, self.source = program.module(), source
+        placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
+        names = [spec.arg.name for spec in program.graph_signature.input_specs if spec.kind.name == "USER_INPUT"]
+        self.shapes = [
+            tuple(size if isinstance(size, int) else None for size in placeholders[name].meta["val"].shape)
+            for name in names
+        ]
+
+    def forward(self, *inputs):
+        for index, (given, shape) in enumerate(zip(inputs, self.shapes, strict=False), 1):
+            sizes = tuple(given.shape) if isinstance(given, torch.Tensor) else ()
+            if len(sizes) != len(shape) or any(size not in (None, got) for size, got in zip(shape, sizes, strict=True)):
+                expected = ", ".join("batch" if size is None else str(size) for size in shape)
+                raise UsageError(
+                    f"{str(self.source)!r} takes input {index} of shape ({expected}), given {sizes}; "
+                    "predict with the settings it was exported with (its model.yaml), or export it again with these"
+                )
+        return self.program(*inputs)
 
 
-def predict_own_batches(model, loader, predict_step, share: Path, device, precision: str) -> None:
-    """This rank's batches' results, one JSON line each, into `share`."""
+def predict_own_batches(model, loader, predict_step, part: Path, device, precision: str) -> None:
+    """This rank's batches' results, one JSON line each, into `part` (a new file)."""
     plan = loader.batch_sampler
-    with open(share, "w", encoding="utf-8") as lines, torch.no_grad():
+    with open_new(part) as lines, torch.no_grad():
         for batch_id, batch in zip(plan.batch_ids, loader, strict=True):
             with autocast(precision, device):
                 results = predict_step(model, move_to_device(batch, device))
@@ -194,24 +216,29 @@ def as_json(result) -> str:
         ) from None
 
 
-def join_shares(out: Path, plan, world_size: int) -> None:
-    """Rank r's share holds batches r, r + N, ...: read them back in batch order."""
-    shares = [open(out.parent / f".{out.name}.rank{rank}.tmp", encoding="utf-8") for rank in range(world_size)]
+def join_parts(out: Path, parts: Path, plan, world_size: int) -> None:
+    """Rank r's part holds batches r, r + N, ...: read them back in batch order into --out,
+    created (never replacing a file that appeared meanwhile)."""
+    files = [open(parts / f"rank{rank}", encoding="utf-8") for rank in range(world_size)]
     try:
 
         def write(file) -> None:
             for batch_id in range(plan.num_batches):
-                share = shares[batch_id % world_size]
+                part = files[batch_id % world_size]
                 for _ in range(plan.samples_in(batch_id)):
-                    line = share.readline()
-                    if not line.endswith("\n"):  # a share cut short: never a file of shifted lines
+                    line = part.readline()
+                    if not line.endswith("\n"):  # a part cut short: never a file of shifted lines
                         raise UsageError(f"rank {batch_id % world_size}'s predictions end early; run predict.py again")
                     file.write(line.encode())
 
-        atomic_write(out.parent, out.name, write)
+        write_new_file(out, write)
+    except OSError as error:
+        raise UsageError(
+            f"cannot write {str(out)!r}: {error.strerror or error}; free disk space or choose another --out"
+        ) from None
     finally:
-        for share in shares:
-            share.close()
+        for file in files:
+            file.close()
 
 
 if __name__ == "__main__":

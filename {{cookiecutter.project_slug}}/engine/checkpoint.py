@@ -19,11 +19,17 @@ A checkpoint holds plain data only (tensors, numbers, strings, lists, dicts), so
 with `torch.load(weights_only=True)`, which refuses to run code hidden in a pickle.
 Every load goes through `load_checkpoint`, which checks what the checkpoint holds
 (`check_contents`): a file that is not a checkpoint of this project, or one of a newer
-format, is refused in one line before anything uses it.
+format, is refused in one line before anything uses it. The files export.py writes load
+through `load_exported_weights` (model.pt, model.safetensors) and `load_program`
+(model.pt2, read as data by `check_program` before torch reads it); every set of weights
+is checked against the model, names, shapes and dtypes, by `check_shapes`.
 """
 
 import dataclasses
 import importlib.util
+import io
+import json
+import logging
 import math
 import os
 import pickle
@@ -31,17 +37,18 @@ import pickletools
 import re
 import shutil
 import sys
-import tempfile
 import warnings
 import zipfile
 from pathlib import Path
 
+import safetensors.torch
 import torch
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
 from engine.config import Config, TrainConfig, effective_batch, field_default, plain
 from engine.distributed import DistEnv, all_gather_objects, gather_objects_on_main, is_main, stop_all_if_any_fails
 from engine.errors import CheckpointError, UsageError
+from engine.files import atomic_write, fsync_dir
 from engine.logs import log
 from engine.parts import modules
 from engine.seeding import capture_rng_state, restore_rng_state
@@ -142,51 +149,6 @@ def write_failed(path: Path, error: OSError | RuntimeError) -> CheckpointError:
     return CheckpointError(f"cannot write {str(path)!r}: {getattr(error, 'strerror', None) or one_line(error)}")
 
 
-def atomic_write(directory: Path, name: str, write) -> None:
-    """Write via a temporary file, fsync it, rename it into place, fsync the folder.
-
-    A crash at any point leaves either the old file or the complete new one, never a
-    torn one. Temporary names start with '.' and end in '.tmp', so nothing mistakes them
-    for checkpoints.
-    """
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            recorder = WriteErrors(f)
-            try:
-                write(recorder)
-            except RuntimeError:
-                if recorder.error is None:
-                    raise
-                raise recorder.error from None  # e.g. "No space left on device", not torch's "unexpected pos"
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / name)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    fsync_dir(directory)
-
-
-class WriteErrors:
-    """A file that keeps the first error of its writes: torch.save reports a failed write
-    (a full disk) only as "unexpected pos N vs M", and turns a Ctrl-C that lands in a
-    write into the same RuntimeError, which would then blame the disk."""
-
-    def __init__(self, file):
-        self.file, self.error = file, None
-
-    def write(self, data) -> int:
-        try:
-            return self.file.write(data)
-        except BaseException as error:  # OSError, or KeyboardInterrupt from a second Ctrl-C
-            self.error = self.error or error
-            raise
-
-    def flush(self) -> None:
-        self.file.flush()
-
-
 def publish(source: Path, target: Path) -> None:
     """Make `target` a complete copy of `source`, atomically (a hard link where possible)."""
     tmp = target.with_name(f".{target.name}.link.tmp")
@@ -197,14 +159,6 @@ def publish(source: Path, target: Path) -> None:
         shutil.copyfile(source, tmp)
     os.replace(tmp, target)
     fsync_dir(target.parent)
-
-
-def fsync_dir(directory: Path) -> None:
-    fd = os.open(directory, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def step_checkpoints(directory: Path) -> list[Path]:
@@ -409,6 +363,192 @@ def first_global(path: Path) -> str | None:
     return None
 
 
+def load_exported_weights(path: Path) -> dict:
+    """The weights of a file export.py writes: model.pt (a torch.save dict of tensors, read
+    as checkpoints are) or model.safetensors (tensors only, by format); load_model_weights
+    then checks them against the model."""
+    if path.suffix != ".safetensors":
+        weights = load_plain(path)
+    else:
+        try:
+            weights = safetensors.torch.load_file(path)
+        except Exception as error:  # noqa: BLE001  a truncated or foreign file alike
+            raise UnusableCheckpoint(
+                f"cannot read {str(path)!r} as safetensors ({one_line(error)})", "export it again"
+            ) from None
+    for name, value in weights.items():
+        if not isinstance(value, torch.Tensor):
+            raise UnusableCheckpoint(f"{str(path)!r} holds {name!r}: {a(type(value))}, not a tensor", "export it again")
+    return weights
+
+
+# What torch.export.save writes for a program that holds tensors only, by name inside the
+# archive's root folder. Any other member (compiled AOTInductor code, extra files, older
+# layouts that torch unpickles) is refused: this project does not check it.
+PROGRAM_MEMBERS = re.compile(
+    r"archive_format|archive_version|byteorder|\.data/version|\.data/serialization_id|models/model\.json"
+    r"|data/weights/model_weights_config\.json|data/weights/weight_\d+"
+    r"|data/constants/model_constants_config\.json|data/constants/tensor_\d+|data/sample_inputs/model\.pt"
+)
+# The graph's calls: torch's ATen operators, and the arithmetic on sizes torch.export emits.
+OPERATOR = re.compile(
+    r"torch\.ops\.aten\.\w+\.\w+|_operator\.(getitem|add|sub|mul|floordiv|truediv|mod|pow|neg|eq|ne|lt|le|gt|ge)"
+    r"|torch\.sym_(float|int|max|min|not|ite|sqrt)|math\.(ceil|floor|trunc)"
+)
+SYMBOL = re.compile(r"[a-z]+\d+")  # a size torch.export leaves free: s0, s77, u3
+# What a shape expression (torch evaluates it as Python, with sympy's names) may hold:
+# numbers, sizes, operators, and these names of sympy's and torch's.
+FORMULA_TOKEN = re.compile(r"\s+|\d+(\.\d*)?(e[+-]?\d+)?|'[a-z]+\d+'|\w+|\*\*|[-+*/%(),<>=!&|~]=?")
+FORMULA_NAMES = {
+    *("Symbol", "Integer", "Float", "Rational", "True", "False", "oo", "positive", "integer", "nonnegative", "real"),
+    *("Add", "Mul", "Pow", "Max", "Min", "Abs", "Mod", "floor", "ceiling", "Eq", "Ne", "Lt", "Le", "Gt", "Ge"),
+    *("And", "Or", "Not", "FloorDiv", "ModularIndexing", "Where", "PythonMod", "CleanDiv", "CeilToInt", "FloorToInt"),
+    *("CeilDiv", "LShift", "RShift", "PowByNatural", "FloatPow", "FloatTrueDiv", "IntTrueDiv", "TruncToFloat"),
+    *("TruncToInt", "RoundToInt", "RoundDecimal", "ToFloat", "Identity", "IsNonOverlappingAndDenseIndicator"),
+}
+
+
+def load_program(path: Path) -> torch.export.ExportedProgram:
+    """A torch.export program (.pt2) on the CPU, once `check_program` found nothing in it
+    that would run code; torch's own log of why a file would not load is a traceback,
+    kept quiet for the one line."""
+    check_program(path)
+    log = logging.getLogger("torch.export")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return torch.export.load(path)
+    except Exception as error:  # noqa: BLE001  a truncated or foreign file alike
+        raise UnusableCheckpoint(
+            f"cannot load {str(path)!r} as a torch.export program ({one_line(error)})", "export it again"
+        ) from None
+    finally:
+        log.setLevel(level)
+
+
+def check_program(path: Path) -> None:
+    """Read a .pt2 archive as data, before torch does, and refuse what torch would unpickle
+    (weights and constants stored as pickles, custom or opaque objects, sample inputs that
+    need more than weights_only), or run as Python (guard code, shape expressions beyond
+    arithmetic, calls to anything but torch's operators), or that this check cannot read."""
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint {str(path)!r} not found")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            members = program_members(path, archive)
+
+            def read(name: str) -> bytes:
+                return archive.read(members[name])
+
+            check_stored(path, read, "data/sample_inputs/model.pt" in members)
+            for name, member in members.items():
+                if not PROGRAM_MEMBERS.fullmatch(name):
+                    raise refused_program(path, f"{member!r}, a part this project does not check")
+            check_graph(path, json.loads(read("models/model.json")))
+    except (OSError, zipfile.BadZipFile, ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
+        raise UnusableCheckpoint(
+            f"cannot load {str(path)!r} as a torch.export program ({one_line(error)})", "export it again"
+        ) from None
+
+
+def refused_program(path: Path, what: str) -> UnusableCheckpoint:
+    return UnusableCheckpoint(
+        f"{str(path)!r} holds {what}, which could run code when loaded", "refused: export it again with export.py"
+    )
+
+
+def program_members(path: Path, archive: zipfile.ZipFile) -> dict[str, str]:
+    """The archive's members by name inside its root folder, as torch reads them; one
+    name twice could be read differently by torch."""
+    names = archive.namelist()
+    root = f"{names[0].split('/')[0]}/" if names else ""
+    if len(set(names)) != len(names) or not all(name.startswith(root) for name in names):
+        raise refused_program(
+            path, "members of one name twice or outside its folder, a layout this project does not check"
+        )
+    return {name[len(root) :]: name for name in names}
+
+
+def check_stored(path: Path, read, has_sample_inputs: bool) -> None:
+    """Weights and constants stored as raw tensors, and sample inputs that load with
+    weights_only, the only ones torch reads without unpickling."""
+    for kind, stored in (("weight", "weight_"), ("constant", "tensor_")):
+        payloads = json.loads(read(f"data/{kind}s/model_{kind}s_config.json"))["config"]
+        for name, payload in payloads.items():
+            if payload["use_pickle"] is not False or not str(payload["path_name"]).startswith(stored):
+                raise refused_program(path, f"pickled data ({kind} {name!r})")
+    if has_sample_inputs and not plain_tensors(read("data/sample_inputs/model.pt")):
+        raise refused_program(path, "pickled data (its sample inputs)")
+
+
+def plain_tensors(data: bytes) -> bool:
+    """Whether torch.load reads `data` with weights_only=True (torch falls back to a full
+    unpickler for sample inputs that it does not)."""
+    try:
+        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception:  # noqa: BLE001
+        return False
+    return True
+
+
+def check_graph(path: Path, program: dict) -> None:
+    """The serialized program's parts that torch turns into Python it runs."""
+    if program.get("guards_code"):
+        raise refused_program(path, "Python code (its guards)")
+    for spec in program["graph_module"]["signature"]["input_specs"]:
+        (kind, value), *_ = spec.items()
+        if kind not in ("parameter", "buffer", "tensor_constant", "user_input") or (
+            kind == "user_input" and list(value["arg"]) != ["as_tensor"]
+        ):
+            raise refused_program(path, f"an input of kind {kind!r}, which this project does not check")
+    for node in json_dicts(program):
+        for key, value in node.items():
+            if key == "expr_str" and not is_formula(value):
+                raise refused_program(path, f"Python code (shape expression {value[:40]!r})")
+            called = key == "as_operator" or (key == "target" and "inputs" in node)
+            if called and not (OPERATOR.fullmatch(value) and "__" not in value):
+                raise refused_program(path, f"a call to {value!r}, which is not one of torch's operators")
+            if key in ("as_int", "min_val", "max_val", "hint") and not isinstance(value, int | None | dict):
+                raise refused_program(path, f"{key} {str(value)[:40]!r} where a number belongs")
+            if key == "in_spec" and not positional(json.loads(value)):
+                raise refused_program(path, "inputs by keyword, which this project does not check")
+    if not all(SYMBOL.fullmatch(name) for name in program["range_constraints"]):
+        raise refused_program(path, "a size whose name is not a plain symbol")
+
+
+def json_dicts(tree):
+    """Every dict in a JSON document, at any depth."""
+    if isinstance(tree, dict):
+        yield tree
+        tree = list(tree.values())
+    if isinstance(tree, list):
+        for item in tree:
+            yield from json_dicts(item)
+
+
+def is_formula(text) -> bool:
+    """Whether a shape expression is arithmetic on sizes only: torch evaluates it as Python."""
+    if not isinstance(text, str):
+        return False
+    position = 0
+    while position < len(text):
+        token = FORMULA_TOKEN.match(text, position)
+        if token is None:
+            return False
+        word = token.group()
+        if re.fullmatch(r"[A-Za-z_]\w*", word) and word not in FORMULA_NAMES and not SYMBOL.fullmatch(word):
+            return False
+        position = token.end()
+    return True
+
+
+def positional(spec) -> bool:
+    """Whether a serialized input tree takes its inputs by position only: torch writes
+    a keyword's name into Python it runs."""
+    _, tree = spec
+    return tree["context"] in (None, "null", "[]") and all(positional([0, child]) for child in tree["children_spec"])
+
+
 def strip_prefixes(state_dict: dict) -> dict:
     """Model weights without wrapper prefixes, so any wrapping loads any other."""
     clean = {}
@@ -426,7 +566,7 @@ def strip_prefixes(state_dict: dict) -> dict:
 def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) -> None:
     """Copy weights into `model`, naming the first mismatch if the architectures differ."""
     weights = strip_prefixes(state_dict)
-    check_shapes(model, {key: tuple(value.shape) for key, value in weights.items()}, source)
+    check_shapes(model, weights, source)
     # Full tensors into a plain, DDP or FSDP (sharded) model alike.
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
 
@@ -462,17 +602,30 @@ def load_part_weights(part, model: torch.nn.Module, path: Path, ckpt: dict) -> N
         load_weights(model, path, ckpt, part=part.name)
 
 
-def check_shapes(model: torch.nn.Module, saved: dict[str, tuple], source: str) -> None:
-    """Name the first weight that is missing, extra or shaped differently (FSDP's sharded
-    parameters report their full shape)."""
+# Floating-point weights of these dtypes load into a model of any of them, converted (a
+# float16 copy of the weights predicts as float16 weights do); any other dtype must be the model's.
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_shapes(model: torch.nn.Module, saved: dict, source: str) -> None:
+    """The one check of weights before they load: name the first weight that is missing,
+    extra, shaped differently, or of a dtype the model's does not take (FSDP's sharded
+    parameters report their full shape). `saved`: the weights, or a folder's as empty
+    tensors on the meta device (from its metadata)."""
     expected = model.state_dict()
     for key, value in expected.items():
         if key not in saved:
             raise CheckpointError(f"{source}: model weight {key!r} is missing from the checkpoint")
-        if saved[key] != tuple(value.shape):
+        shape, dtype = tuple(saved[key].shape), saved[key].dtype
+        if shape != tuple(value.shape):
             raise CheckpointError(
-                f"{source}: {key!r} has shape {saved[key]} in the checkpoint "
+                f"{source}: {key!r} has shape {shape} in the checkpoint "
                 f"but {tuple(value.shape)} in the model (different model config?)"
+            )
+        if dtype != value.dtype and not (dtype in FLOATS and value.dtype in FLOATS):
+            raise CheckpointError(
+                f"{source}: {key!r} holds {dtype} in the checkpoint but {value.dtype} in the model, which would "
+                "load as other numbers; use a file of this model's weights as train.py or export.py writes them"
             )
     unexpected = sorted(set(saved) - set(expected))
     if unexpected:

@@ -265,11 +265,12 @@ def load_full(directory: Path, keys: set[str] | None = None) -> dict:
     return state_dict
 
 
-def model_shapes(metadata: Metadata, part: str = "model") -> dict[str, tuple]:
-    """The model weights' (or `part`'s) names and full shapes, from the metadata alone."""
+def model_shapes(metadata: Metadata, part: str = "model") -> dict[str, torch.Tensor]:
+    """The model weights' (or `part`'s) names, full shapes and dtypes, from the metadata
+    alone: as tensors on the meta device, which hold no data."""
     prefix = f"{part}."
     return {
-        key[len(prefix) :]: tuple(value.size)
+        key[len(prefix) :]: torch.empty(tuple(value.size), dtype=value.properties.dtype, device="meta")
         for key, value in metadata.state_dict_metadata.items()
         if key.startswith(prefix) and hasattr(value, "size")
     }

@@ -15,7 +15,6 @@ from engine.checkpoint import (
     CHECKPOINT_FORMAT,
     Checkpointer,
     CheckpointError,
-    WriteErrors,
     config_changes,
     load_checkpoint,
     load_model_state,
@@ -29,6 +28,7 @@ from engine.checkpoint import (
 from engine.config import Config
 from engine.distributed import DistEnv
 from engine.divergence import NonFiniteGuard
+from engine.files import WriteErrors
 from engine.precision import build_grad_scaler
 from engine.seeding import capture_rng_state
 from engine.training import TrainState
@@ -92,6 +92,26 @@ def test_mismatched_model_names_key_and_shapes():
         CheckpointError, match=r"'net.2.linear.weight' has shape \(16, 12\) in the checkpoint but \(8, 12\)"
     ):
         load_model_weights(small, big.state_dict(), "x.pt")
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool])
+def test_weights_of_another_kind_of_number_are_refused_by_name(dtype):
+    """The one check every load of weights goes through (a checkpoint, resume, init_from,
+    export's files): right shapes of integers or booleans would load as nonsense."""
+    model = MLP(12, 8, 3)
+    weights = {key: value.to(dtype) for key, value in model.state_dict().items()}
+    expected = rf"x.safetensors: 'net.2.linear.weight' holds {dtype} in the checkpoint but torch.float32 in the model"
+    with pytest.raises(CheckpointError, match=expected):
+        load_model_weights(model, weights, "x.safetensors")
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float64])
+def test_floating_point_weights_of_another_precision_load_converted(dtype):
+    source, model = MLP(12, 8, 3), MLP(12, 8, 3)
+    load_model_weights(model, {key: value.to(dtype) for key, value in source.state_dict().items()}, "x.pt")
+    for key, value in model.state_dict().items():
+        assert value.dtype == torch.float32
+        assert torch.equal(value, source.state_dict()[key].to(dtype).float())
 
 
 def test_garbage_and_truncated_files_are_refused(tmp_path):

@@ -4,13 +4,20 @@ the same to the bit, with the model's own answer for every image; bad input is o
 and leaves nothing behind."""
 
 import json
+import os
+import pickle
 import shutil
+import signal
+import subprocess
+import time
+import zipfile
 
 import pytest
+import safetensors.torch
 import torch
 from PIL import Image
 
-from conftest import FAST, machinery_project, reference_config, reference_task, run_script
+from conftest import FAST, clean_env, command, machinery_project, reference_config, reference_task, run_script
 
 IMAGES = 11  # with eval_batch_size 4 on 3 processes: a short last batch, and ranks with 1 and 2 batches
 
@@ -197,3 +204,275 @@ def test_a_missing_model_file_and_an_out_named_like_its_companions_are_one_line(
     clash = run_script("export.py", args, check=False)
     assert clash.returncode == 2 and "is named as a file written beside it" in clash.stderr.strip().splitlines()[-1]
     assert list(tmp_path.glob("model*")) == []
+
+
+class RunsCode:
+    """Unpickling it writes `marker`: what a hostile file would do."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def rewrite_archive(source, target, change) -> None:
+    """Copy the zip archive `source` to `target`, `change` editing its members (names
+    without the archive's root folder) in place."""
+    with zipfile.ZipFile(source) as archive:
+        members = {name: archive.read(name) for name in archive.namelist()}
+    root = next(iter(members)).split("/")[0]
+    inside = {name.removeprefix(f"{root}/"): data for name, data in members.items()}
+    change(inside)
+    with zipfile.ZipFile(target, "w") as archive:
+        for name, data in inside.items():
+            archive.writestr(f"{root}/{name}", data)
+
+
+def edit_json(members: dict, name: str, edit) -> None:
+    document = json.loads(members[name])
+    edit(document)
+    members[name] = json.dumps(document).encode()
+
+
+def hostile(case: str, marker) -> tuple:
+    """How to turn a program into one that runs code when loaded (or run) the way `case`
+    says, and what the refusal names."""
+    payload = pickle.dumps(RunsCode(marker))
+    code = f"open({str(marker)!r}, 'w').write('ran')"
+    symbol = "Symbol('s77', positive=True, integer=True)"
+
+    def pickled_weight(members):
+        weights = "data/weights/model_weights_config.json"
+        edit_json(members, weights, lambda d: d["config"]["net.2.linear.weight"].update(use_pickle=True))
+        members["data/weights/weight_0"] = payload
+
+    def pickled_constant(name):
+        def change(members):
+            entry = {"path_name": name, "is_param": False, "use_pickle": True, "tensor_meta": None}
+            edit_json(members, "data/constants/model_constants_config.json", lambda d: d["config"].update(c=entry))
+            members[f"data/constants/{name}"] = payload
+
+        return change
+
+    def sample_inputs(members):
+        members["data/sample_inputs/model.pt"] = payload
+
+    def guard_code(members):
+        edit_json(members, "models/model.json", lambda d: d.update(guards_code=[code]))
+
+    def expression(members):
+        text = members["models/model.json"].decode()
+        assert symbol in text
+        members["models/model.json"] = text.replace(symbol, f'exec(\\"{code}\\") or {symbol}').encode()
+
+    return {
+        "pickled weight": (pickled_weight, "pickled data (weight 'net.2.linear.weight')"),
+        "pickled constant": (pickled_constant("tensor_0"), "pickled data (constant 'c')"),
+        "opaque object": (pickled_constant("opaque_obj_0"), "pickled data (constant 'c')"),
+        "custom object": (pickled_constant("custom_obj_0"), "pickled data (constant 'c')"),
+        "sample inputs": (sample_inputs, "pickled data (its sample inputs)"),
+        "guard code": (guard_code, "Python code (its guards)"),
+        "expression": (expression, "Python code (shape expression 'exec("),
+    }[case]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "pickled weight",
+        "pickled constant",
+        "opaque object",
+        "custom object",
+        "sample inputs",
+        "guard code",
+        "expression",
+    ],
+)
+def test_a_program_that_would_run_code_is_refused_before_torch_reads_it(exported, photos, tmp_path, case):
+    """export.py's own program, rewritten as a hostile file would be: a weight or constant
+    stored as a pickle, sample inputs only a full unpickler reads, guard code or a shape
+    expression that torch would execute. Refused in one line; the payload never runs."""
+    _, export = exported
+    marker = tmp_path / "ran"
+    change, named = hostile(case, marker)
+    program = tmp_path / "model.pt2"
+    rewrite_archive(export / "model.pt2", program, change)
+    shutil.copy(export / "model.yaml", tmp_path / "model.yaml")
+    result = predict(program, photos, tmp_path / "p.jsonl", check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stdout + result.stderr
+    assert errors[0].startswith(f"error: {str(program)!r} holds {named}") and errors[0].endswith(
+        "which could run code when loaded; refused: export it again with export.py"
+    ), errors[0]
+    assert not marker.exists() and not (tmp_path / "p.jsonl").exists()
+
+
+def test_a_rewritten_program_that_holds_only_tensors_still_predicts(exported, photos, tmp_path):
+    """The check reads the archive, not how it was zipped: export's program, re-zipped
+    unchanged, predicts what the original does."""
+    _, export = exported
+    program = tmp_path / "model.pt2"
+    rewrite_archive(export / "model.pt2", program, lambda members: None)
+    shutil.copy(export / "model.yaml", tmp_path / "model.yaml")
+    predict(program, photos, tmp_path / "copy.jsonl")
+    predict(export / "model.pt2", photos, tmp_path / "original.jsonl")
+    assert (tmp_path / "copy.jsonl").read_bytes() == (tmp_path / "original.jsonl").read_bytes()
+
+
+def test_a_program_given_images_of_another_size_says_which_in_one_line(exported, photos, tmp_path):
+    _, export = exported
+    result = predict(export / "model.pt2", photos, tmp_path / "p.jsonl", extra=["data.image_size=16"], check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and errors == [
+        f"error: {str(export / 'model.pt2')!r} takes input 1 of shape (batch, 3, 8, 8), given (11, 3, 16, 16); "
+        "predict with the settings it was exported with (its model.yaml), or export it again with these"
+    ], result.stderr
+    assert "Traceback" not in result.stderr and not (tmp_path / "p.jsonl").exists()
+
+
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool])
+def test_safetensors_of_another_kind_of_number_are_refused_by_name(exported, photos, tmp_path, dtype):
+    _, export = exported
+    weights = safetensors.torch.load_file(export / "model.safetensors")
+    source = tmp_path / "model.safetensors"
+    safetensors.torch.save_file({name: tensor.to(dtype) for name, tensor in weights.items()}, source)
+    shutil.copy(export / "model.yaml", tmp_path / "model.yaml")
+    result = predict(source, photos, tmp_path / "p.jsonl", check=False)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2 and len(errors) == 1, result.stderr
+    assert f"'net.2.linear.weight' holds {dtype} in the checkpoint but torch.float32 in the model" in errors[0]
+    assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_two_runs_writing_the_same_out_leave_one_models_file_and_one_line(exported, photos, tmp_path):
+    """Two predict.py runs from two checkpoints, both past the check that --out is free
+    (each waits in build_predict_set until the other is there too): one writes the file,
+    exactly as it alone would, the other stops in one line; no part of either is left."""
+    first, _ = exported
+    run_script("train.py", [*FAST, "data.train_size=256", "train.epochs=1", "seed=1", f"output_dir={tmp_path / 'b'}"])
+    checkpoints = [first, tmp_path / "b" / "checkpoints" / "last.pt"]
+    alone = []
+    for index, checkpoint in enumerate(checkpoints):
+        predict(checkpoint, photos, tmp_path / f"alone{index}.jsonl")
+        alone.append((tmp_path / f"alone{index}.jsonl").read_bytes())
+    assert alone[0] != alone[1]
+    project = tmp_path / "project"
+    shutil.copytree(machinery_project(), project, ignore=shutil.ignore_patterns("__pycache__"))
+    data_py = project / "data.py"
+    listing = "    folder = Path(source)\n"
+    assert data_py.read_text().count(listing) == 1
+    data_py.write_text(
+        data_py.read_text().replace(
+            listing,
+            "    import time  # both runs are here, past predict.py's check that --out is free\n"
+            "    (Path(os.environ['BARRIER']) / str(os.getpid())).touch()\n"
+            "    while len(os.listdir(os.environ['BARRIER'])) < 2:\n"
+            "        time.sleep(0.05)\n" + listing,
+        )
+    )
+    (tmp_path / "barrier").mkdir()
+    out = tmp_path / "shared" / "predictions.jsonl"
+    runs = [
+        subprocess.Popen(
+            command("predict.py", ["--checkpoint", checkpoint, "--inputs", photos, "--out", out]),
+            cwd=project,
+            env=clean_env({"BARRIER": str(tmp_path / "barrier")}),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for checkpoint in checkpoints
+    ]
+    results = [(run.wait(timeout=240), *run.communicate()) for run in runs]
+    codes = sorted(code for code, _, _ in results)
+    assert codes == [0, 2], results
+    winner = next(index for index, (code, _, _) in enumerate(results) if code == 0)
+    assert out.read_bytes() == alone[winner]
+    loser_errors = [line for line in results[1 - winner][2].splitlines() if line.startswith("error:")]
+    assert loser_errors == [f"error: {str(out)!r} already exists; choose another --out or remove it first"]
+    assert os.listdir(out.parent) == ["predictions.jsonl"]
+
+
+def test_links_planted_where_predict_and_export_write_are_never_followed(exported, photos, tmp_path):
+    """Links at the names the part files and temporary files once had, and at --out itself
+    (pointing nowhere yet): their targets are never written, and a link at --out is a
+    file that already exists."""
+    checkpoint, _ = exported
+    victims = tmp_path / "victims"
+    victims.mkdir()
+    out = tmp_path / "predictions.jsonl"
+    planted = [f".{out.name}.rank0.tmp", f".{out.name}.rank1.tmp", f".{out.name}.tmp"]
+    for name in planted:
+        (victims / name).write_text("precious\n")
+        (tmp_path / name).symlink_to(victims / name)
+    predict(checkpoint, photos, out, nproc=2)
+    assert all((victims / name).read_text() == "precious\n" for name in planted)
+    assert all((tmp_path / name).is_symlink() for name in planted)
+    assert len(out.read_text().splitlines()) == IMAGES
+
+    for script, link, args in [
+        ("predict.py", tmp_path / "p.jsonl", ["--out", tmp_path / "p.jsonl", "--inputs", photos]),
+        ("export.py", tmp_path / "model.safetensors", ["--out", tmp_path / "model.pt"]),
+    ]:
+        victim = victims / f"new-{link.name}"
+        link.symlink_to(victim)
+        result = run_script(script, ["--checkpoint", checkpoint, *args], check=False)
+        errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+        assert result.returncode == 2 and errors == [
+            f"error: {str(link)!r} already exists; choose another --out or remove it first"
+        ], result.stderr
+        assert link.is_symlink() and not victim.exists()
+    assert not (tmp_path / "model.pt").exists()
+
+
+def test_images_under_a_linked_folder_are_predicted_and_a_link_loop_is_listed_once(exported, tmp_path):
+    """Training follows links to folders (torchvision's ImageFolder does); so does the
+    listing of the images to predict. A link back up the tree adds nothing."""
+    checkpoint, _ = exported
+    elsewhere, photos = tmp_path / "elsewhere", tmp_path / "photos"
+    elsewhere.mkdir()
+    photos.mkdir()
+    for folder, count in ((photos, 2), (elsewhere, 3)):
+        for index in range(count):
+            Image.new("RGB", (8, 8), (index * 60, 0, 0)).save(folder / f"image{index}.png")
+    (photos / "linked").symlink_to(elsewhere, target_is_directory=True)
+    (elsewhere / "loop").symlink_to(photos, target_is_directory=True)
+    out = tmp_path / "p.jsonl"
+    predict(checkpoint, photos, out)
+    inputs = [json.loads(line)["input"] for line in out.read_text().splitlines()]
+    expected = [photos / "image0.png", photos / "image1.png"] + [photos / "linked" / f"image{i}.png" for i in range(3)]
+    assert inputs == sorted(str(path) for path in expected)
+
+
+def test_a_ctrl_c_while_predicting_leaves_no_file_and_no_part(exported, photos, tmp_path):
+    """Ctrl-C while the rank writes its part: the run stops, and its hidden folder of parts
+    is gone with it."""
+    checkpoint, _ = exported
+    project = tmp_path / "project"
+    shutil.copytree(machinery_project(), project, ignore=shutil.ignore_patterns("__pycache__"))
+    model_py = project / "model.py"
+    returns = "    return [\n        {"
+    assert model_py.read_text().count(returns) == 1
+    waits = (
+        "    __import__('pathlib').Path(__import__('os').environ['STARTED']).touch()\n"
+        "    __import__('time').sleep(600)\n"
+    )
+    model_py.write_text(model_py.read_text().replace(returns, waits + returns, 1))
+    out, started = tmp_path / "out" / "predictions.jsonl", tmp_path / "started"
+    run = subprocess.Popen(
+        command("predict.py", ["--checkpoint", checkpoint, "--inputs", photos, "--out", out]),
+        cwd=project,
+        env=clean_env({"STARTED": str(started)}),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    while not started.exists():  # then predict_step runs, its rank's part open
+        assert run.poll() is None, run.communicate()
+        time.sleep(0.1)
+    assert [path.name.startswith(".predictions.jsonl.") for path in out.parent.iterdir()] == [True]
+    run.send_signal(signal.SIGINT)
+    _, stderr = run.communicate(timeout=120)
+    assert run.returncode != 0, stderr
+    assert list(out.parent.iterdir()) == [], stderr

@@ -102,10 +102,27 @@ def build_predict_set(cfg, source: str) -> Dataset:
     folder = Path(source)
     if not folder.is_dir():
         raise DataError(f"--inputs: {source!r} is not a folder; give the folder that holds the images to predict")
-    files = sorted(str(p) for p in folder.rglob("*") if p.suffix.lower() in IMG_EXTENSIONS and p.is_file())
+    files = image_files(folder, IMG_EXTENSIONS)
     if not files:
         raise DataError(f"--inputs: {source!r} holds no image files ({', '.join(IMG_EXTENSIONS)}); add some")
     return ImagePaths(files, joint_transform(cfg.data.image_size, augment=False))
+
+
+def image_files(folder: Path, extensions: tuple) -> list[str]:
+    """The image files under `folder`, sorted, following links to folders as training's
+    ImageFolder does. A folder met again (a link back up the tree, or a second link to one
+    folder) is not listed again: a loop ends, and each image is listed once."""
+    seen, files = set(), []
+    for root, folders, names in os.walk(folder, followlinks=True):
+        where = os.stat(root)
+        if (where.st_dev, where.st_ino) in seen:
+            folders.clear()
+            continue
+        seen.add((where.st_dev, where.st_ino))
+        folders.sort()  # the first of two ways to a folder is the one listed, on every rank alike
+        paths = (os.path.join(root, name) for name in names if os.path.splitext(name)[1].lower() in extensions)
+        files += [path for path in paths if os.path.isfile(path)]
+    return sorted(files)
 
 
 class ImagePaths(Dataset):

@@ -7,6 +7,8 @@
 
 Re-running with the same output_dir continues from its last checkpoint
 (checkpoint.resume=auto).
+
+Exit codes: 0 done (or at train.stop_at_step); 75 stopped by a signal, run it again to continue; 2 bad input.
 """
 
 import argparse
@@ -35,7 +37,7 @@ from engine.distributed import (
 from engine.divergence import NonFiniteGuard
 from engine.host import freeze_setup_objects, set_host_allocator
 from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
-from engine.logs import QuietLog, RunLog, keep_output_in, log, report_errors
+from engine.logs import QuietLog, RunLog, hand_to_launcher, keep_output_in, log, report_errors
 from engine.metrics import evaluate
 from engine.parallel import build_and_wrap, memory_format, wrap_again
 from engine.parts import build_parts
@@ -60,12 +62,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 @record  # the failing rank's traceback reaches torchrun's summary
 @report_errors
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
     cfg = load_config(args.config, args.overrides, data=DataConfig, model=ModelConfig, optim=OptimConfig)
     if args.print_config:
         print(format_config(cfg), end="")
-        return
+        return 0
     env, device = init_distributed_mode(cfg.dist, Path(cfg.output_dir) / "flight_recorder")
     parts = build_parts(cfg, env)  # the optional features the config turns on (engine/parts)
     # What each step frees: kept for the next, or given back where a part says so (FSDP). Set
@@ -107,10 +109,13 @@ def main(argv=None) -> None:
                 if not train_one_epoch(state, loaders, cfg, stop, checkpointer, run_log, stats):
                     started = time.monotonic()  # the save's time: what a stop needs before a time limit
                     checkpointer.save(state)
-                    run_log.log(
+                    stopped = (
                         f"stopped at step {state.step} {stop.reason(state.step)}; checkpoint saved in "
                         f"{time.monotonic() - started:.1f} s, run the same command to continue"
                     )
+                    run_log.log(stopped)
+                    if stop.exit_code():  # a launcher's summary shows this line, not a failure
+                        hand_to_launcher(stopped, stop.exit_code())
                     break
             if state.stop_reason():  # also when a resumed run had already stopped
                 run_log.log(state.stop_reason())
@@ -123,6 +128,7 @@ def main(argv=None) -> None:
                 loader.close()
         finally:  # even when a second Ctrl-C lands in the loaders' shutdown
             cleanup_distributed()
+    return stop.exit_code()  # after the cleanup: STOPPED_EXIT_CODE for a stop by a signal
 
 
 def load_train_objs(cfg, env, device, checkpointer: Checkpointer, parts: list, vote_group):
@@ -311,4 +317,4 @@ def evaluate_and_save(state, val_loader, cfg, stop, checkpointer, run_log, stats
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -12,7 +12,9 @@ and launch) but for how it ends:
 - SIGINT or SIGTERM (Ctrl-C, a scheduler's stop): torchrun passes it to every process
   and waits for them (train.py saves a checkpoint and says so); then one line instead of
   torchrun's SignalException traceback, exit code 128 + the signal (130, 143), as a shell
-  reports.
+  reports. (`--signals-to-handle=...,SIGUSR1` adds SIGUSR1, as sweep.py does.)
+- the processes stop by themselves (a signal sent to them alone): train.py's `stopped at
+  step N ...` line, exit code 75, as train.py's own.
 
 A process leaves its line where torchrun looks for a failure's message: the error file
 torchrun names in TORCHELASTIC_ERROR_FILE (engine.logs.hand_to_launcher, in the format of

@@ -16,11 +16,20 @@ exits by itself ORPHAN_GRACE_S later if the stop could not finish by then (a ran
 in a collective with a dead peer). Its DataLoader workers follow: they exit when their
 rank does. A plain `python train.py` is not watched: its parent is a shell, which may
 close on purpose (nohup).
+
+A process stopped so (by a signal, or its launcher's loss) exits STOPPED_EXIT_CODE: run
+the same command to continue. A stop at train.stop_at_step is the end asked for: exit 0.
+
+Supervisor runs child commands (sweep.py's runs) so that the same stops reach them.
 """
 
+import contextlib
+import ctypes
 import datetime
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -35,7 +44,7 @@ CHECK_EVERY_SECONDS = 0.5  # how often ranks compare notes: a few hundred us eac
 LAUNCHER_GONE = "the loss of its launcher"
 PARENT_CHECK_S = 1.0  # how often a rank looks for its launcher: one getppid() call
 ORPHAN_GRACE_S = 30.0  # as long as torchrun gives its workers between SIGTERM and SIGKILL
-ORPHAN_EXIT_CODE = 75  # EX_TEMPFAIL: run the same command again to continue
+STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped before the end (a checkpoint if it could); run the same command again
 
 
 class StopRequest:
@@ -52,6 +61,7 @@ class StopRequest:
             self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
         self.between_steps = NoteComparison(self.group)
         self.parent = None  # the launcher's pid, when there is one to watch
+        self.by_signal = False  # whether the ranks agreed on a stop by a signal (or the launcher's loss)
 
     def install(self, launcher: str) -> "StopRequest":
         """Handle the stop signals; under a launcher (torchrun, srun), watch it too."""
@@ -73,7 +83,7 @@ class StopRequest:
             time.sleep(PARENT_CHECK_S)
         self.signal_name = self.signal_name or LAUNCHER_GONE
         time.sleep(ORPHAN_GRACE_S)
-        os._exit(ORPHAN_EXIT_CODE)  # the stop did not finish: leave without its checkpoint
+        os._exit(STOPPED_EXIT_CODE)  # the stop did not finish: leave without its checkpoint
 
     def handle(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.signal_name:
@@ -94,14 +104,25 @@ class StopRequest:
 
     def agreed(self, step: int) -> bool:
         """Whether any rank got a stop signal. Every rank must call this after every step."""
-        return self.between_steps.any_noted(bool(self.signal_name), step)
+        self.by_signal = self.by_signal or self.between_steps.any_noted(bool(self.signal_name), step)
+        return self.by_signal
 
     def during_evaluation(self) -> Callable[[int], bool]:
         """For one evaluation: whether any rank got a stop signal, asked after each round
         of batches (round i: every rank's i-th batch). Every rank must ask at every round
         that every rank has."""
         comparison = NoteComparison(self.group)
-        return lambda batch_round: comparison.any_noted(bool(self.signal_name), batch_round)
+
+        def noted(batch_round: int) -> bool:
+            self.by_signal = self.by_signal or comparison.any_noted(bool(self.signal_name), batch_round)
+            return self.by_signal
+
+        return noted
+
+    def exit_code(self) -> int:
+        """The run's exit code after its stop, the same on every rank: STOPPED_EXIT_CODE for
+        a stop by a signal or the launcher's loss, 0 for the planned one at train.stop_at_step."""
+        return STOPPED_EXIT_CODE if self.by_signal else 0
 
 
 class NoteComparison:
@@ -157,3 +178,80 @@ def exit_on_sigterm_from(rank_pid: int) -> None:
     while signal.sigwaitinfo({signal.SIGTERM}).si_pid != rank_pid:
         pass  # from the launcher: the rank stops, then ends this worker
     os._exit(0)
+
+
+class Supervisor:
+    """Runs commands one at a time, each in a session of its own, and hands it the stop
+    signals this process gets. A terminal's Ctrl-C thus reaches this process only, which
+    passes one signal on (and a second Ctrl-C, train.py's "stop now"), then waits while the
+    child saves its stop checkpoint and exits. If this process dies without a word (kill
+    -9), the kernel sends the child SIGTERM (Linux), which stops it as any SIGTERM does.
+    Inside `with Supervisor() as supervisor:`, the stop signals are handled so."""
+
+    def __init__(self):
+        self.child = None  # the command running, if any
+        self.received = []  # the stop signals this process got, in order
+        self.passed = 0  # how many of them the child got
+
+    def __enter__(self) -> "Supervisor":
+        self.previous = {sig: signal.signal(sig, self.receive) for sig in STOP_SIGNALS}
+        return self
+
+    def __exit__(self, *error) -> None:
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+    @property
+    def stop_signal(self) -> str:
+        """The first stop signal received, by name; "" if none."""
+        return self.received[0].name if self.received else ""
+
+    def run(self, command: list[str], env: dict | None = None) -> str:
+        """How the command ended: "ok" (exit 0), "stopped" (its exit code STOPPED_EXIT_CODE,
+        or any but 0 after a signal was passed on to it), or "exit N" (-N: killed by signal N)."""
+        self.passed = 0
+        self.child = subprocess.Popen(
+            command, env=env, start_new_session=True, preexec_fn=terminated_with_parent(os.getpid())
+        )
+        self.pass_on()  # a signal that came while it started
+        code = self.child.wait()
+        self.child = None
+        if code == 0:
+            return "ok"
+        return "stopped" if code == STOPPED_EXIT_CODE or self.passed else f"exit {code}"
+
+    def receive(self, signum, frame) -> None:
+        self.received.append(signal.Signals(signum))
+        self.pass_on()
+
+    def pass_on(self) -> None:
+        """To the child's process group, as a terminal sends it: the first stop signal, then
+        a second SIGINT (stop now, without a checkpoint); no more."""
+        if self.child is None or self.passed == len(self.received):
+            return
+        if self.passed == 0:
+            sent = self.received[0]
+        elif self.passed == 1 and self.received[-1] == signal.SIGINT:
+            sent = signal.SIGINT
+        else:
+            return
+        self.passed += 1
+        with contextlib.suppress(ProcessLookupError):  # it has just exited
+            os.killpg(self.child.pid, sent)
+
+
+PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its parent dies (Linux)
+
+
+def terminated_with_parent(parent: int) -> Callable[[], None]:
+    """For a child of `parent` between its fork and its exec (subprocess's preexec_fn): it
+    gets SIGTERM when `parent` dies, and at once if `parent` died before this was set."""
+    libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
+
+    def set_up() -> None:
+        if libc is not None:
+            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() != parent:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return set_up

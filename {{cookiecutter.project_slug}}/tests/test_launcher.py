@@ -13,7 +13,7 @@ import time
 from torch.distributed.elastic.multiprocessing import ProcessFailure
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
-from conftest import FAST, children, clean_env, finish, machinery_project, wait_for_line
+from conftest import FAST, children, clean_env, finish, last_wins, machinery_project, wait_for_line
 from engine.launch import exit_code, failure_line, likely_cause
 from engine.logs import write_last_word
 from engine.run_lock import pid_alive
@@ -22,7 +22,7 @@ from engine.run_lock import pid_alive
 def start_launcher(args: list) -> subprocess.Popen:
     """`python -m engine.launch` on 2 processes, stdout and stderr in one stream as on a terminal."""
     return subprocess.Popen(
-        [sys.executable, "-m", "engine.launch", "--standalone", "--nproc_per_node=2", "train.py", *map(str, args)],
+        [sys.executable, "-m", "engine.launch", "--standalone", "--nproc_per_node=2", "train.py", *last_wins(args)],
         cwd=machinery_project(),
         env=clean_env(),
         stdout=subprocess.PIPE,

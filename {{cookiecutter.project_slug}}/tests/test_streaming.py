@@ -20,11 +20,11 @@ import torch
 
 from conftest import (
     PROJECT,
+    clean_env,
+    command,
     import_file,
     load_checkpoint,
     machinery_project,
-    clean_env,
-    command,
     read_metrics,
     reference_config,
     run_script,

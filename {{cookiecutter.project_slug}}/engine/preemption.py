@@ -131,7 +131,7 @@ class NoteComparison:
 
     They compare only every ~CHECK_EVERY_SECONDS: rank 0 proposes the next count to
     compare at from its rate, inside the same all-reduce, so every rank knows it and no
-    clock has to agree.
+    clock has to agree; the interval at most doubles from one comparison to the next.
     """
 
     def __init__(self, group):
@@ -150,7 +150,10 @@ class NoteComparison:
         else:
             last_count, last_time = self.last_check
             per_second = (count - last_count) / max(now - last_time, 1e-6)
-            proposal = count + max(1, int(per_second * CHECK_EVERY_SECONDS))
+            # At most twice the last interval: a burst (prefetched batches) would otherwise
+            # propose a count far past the evaluation's or the epoch's end, never reached.
+            ahead = min(max(1, int(per_second * CHECK_EVERY_SECONDS)), 2 * (count - last_count))
+            proposal = count + ahead
         proposal = proposal if is_main() else 0
         notes = torch.tensor([1.0 if noted else 0.0, float(proposal)], dtype=torch.float64)
         dist.all_reduce(notes, op=dist.ReduceOp.MAX, group=self.group)

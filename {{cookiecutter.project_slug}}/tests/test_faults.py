@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from conftest import (
     FAST,
@@ -34,6 +35,7 @@ from conftest import (
     wait_for_line,
 )
 from engine.checkpoint import load_checkpoint, save_checkpoint, step_checkpoints
+from engine.preemption import NoteComparison
 from engine.run_lock import pid_alive  # alive and not a zombie (an orphan may wait unreaped)
 
 # Long enough epochs that a signal lands mid-epoch; runs end at train.stop_at_step.
@@ -208,17 +210,35 @@ def test_a_second_ctrl_c_while_the_run_stops_is_one_line(tmp_path):
     assert last(out)["step"] >= 3  # the first Ctrl-C's checkpoint
 
 
-# Short training, long evaluation (seconds): 6,000 samples in batches of 2.
+# Short training, long evaluation (seconds, also on an idle machine): 24,000 samples in batches of 2.
 LONG_EVAL = [
     *FAST,
     "data.train_size=512",
-    "data.val_size=6000",
+    "data.val_size=24000",
     "train.eval_batch_size=2",
     "train.epochs=2",
     "train.log_every_steps=1",
     "data.augment=true",
     "model.dropout=0.1",
 ]
+
+
+def test_the_ranks_compare_stop_notes_at_most_twice_as_far_apart_as_last_time(tmp_path):
+    """Rank 0 proposes the next count to compare notes at from the rate since the last
+    comparison. A burst of rounds (an evaluation's first, prefetched batches) once made it
+    propose a count past the evaluation's end, so a stop during it went unseen: the
+    interval now grows at most twofold."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        comparison, count, intervals = NoteComparison(dist.new_group(backend="gloo")), 0, []
+        for _ in range(6):  # called at once, one after another: the fastest rate there is
+            assert not comparison.any_noted(False, count)
+            intervals.append(comparison.next_check - count)
+            count = comparison.next_check
+        assert intervals == [1, 2, 4, 8, 16, 32]
+        assert comparison.any_noted(True, count)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_a_stop_during_evaluation_saves_the_last_step_and_the_next_run_evaluates_again(tmp_path):
@@ -231,7 +251,7 @@ def test_a_stop_during_evaluation_saves_the_last_step_and_the_next_run_evaluates
     steps = int(wait_for_line(process, "steps/epoch", seen).split("; ")[-1].split()[0])
     wait_for_line(process, f"epoch 0 step {steps} ", seen)  # the epoch's last step: its evaluation follows
     # Past that step's own stop check (a signal there stops before the evaluation, as it
-    # should): its 1,500 batches per rank take seconds.
+    # should): its 6,000 batches per rank take seconds.
     time.sleep(0.5)
     os.kill(process.pid, signal.SIGTERM)
     output = finish(process, seen)

@@ -19,6 +19,15 @@ FAST = (
     "model.name=mlp model.hidden_dim=32 data.image_size=8 data.train_size=1024 data.val_size=101 "
     "train.num_workers=0 train.batch_size=16 data.augment=false"
 ).split()
+
+
+def fast(*changes: str) -> list[str]:
+    """FAST with `changes` (key=value) in place of its own settings of those keys: the
+    config refuses a key given twice on the command line."""
+    changed = {change.partition("=")[0] for change in changes}
+    return [setting for setting in FAST if setting.partition("=")[0] not in changed] + list(changes)
+
+
 # The shipped script asks for GPUs; this cluster has none. Adapted by variables, not edits.
 NO_GPU = {"SBATCH_GPUS_PER_NODE": "0"}
 ONE_NODE_TWO_TASKS = ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"]
@@ -146,7 +155,7 @@ def submit(project, slurm, sbatch_options, args) -> str:
 
 def test_usr1_before_time_limit_checkpoints_requeues_and_finishes(slurm, project, tmp_path):
     out = tmp_path / "run"
-    args = [*FAST, "data.train_size=8192", "train.log_every_steps=5", "train.epochs=2", f"output_dir={out}"]
+    args = [*fast("data.train_size=8192"), "train.log_every_steps=5", "train.epochs=2", f"output_dir={out}"]
     job_id = submit(project, slurm, [], args)
     log = project / f"slurm-{job_id}.out"
     wait_until(lambda: log.is_file() and "step 20 " in log.read_text(), 120, "step 20 in the log")
@@ -167,7 +176,7 @@ def test_a_time_limit_during_evaluation_requeues_and_the_job_finishes(slurm, pro
     # seconds of that here). 16 training steps take seconds; the evaluation (200,000
     # samples one at a time, about 90 s) spans the signal's time.
     out = tmp_path / "run"
-    args = [*FAST, "data.train_size=512", "data.val_size=200000", "train.eval_batch_size=1", f"output_dir={out}"]
+    args = [*fast("data.train_size=512", "data.val_size=200000"), "train.eval_batch_size=1", f"output_dir={out}"]
     job_id = submit(project, slurm, ["--time=2", "--signal=B:USR1@60"], [*args, "train.epochs=1"])
     log = project / f"slurm-{job_id}.out"
     wait_until(lambda: log.is_file() and "requeueing job" in log.read_text(), 150, "the requeue")
@@ -213,7 +222,7 @@ def test_srun_a_diverging_run_stops_every_task_and_keeps_a_finite_checkpoint(slu
 
 def test_srun_a_second_job_on_a_busy_output_dir_refuses(slurm, project, tmp_path):
     out = tmp_path / "run"
-    long_run = [*FAST, "data.train_size=8192", "train.epochs=50", f"output_dir={out}"]
+    long_run = [*fast("data.train_size=8192"), "train.epochs=50", f"output_dir={out}"]
     first = subprocess.Popen(
         ["srun", "-n", "1", "-J", "lock-holder", "python", "train.py", *long_run],
         cwd=project,

@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 import urllib.parse
 from pathlib import Path
 
@@ -207,12 +208,16 @@ def processes_naming(path: Path) -> list[int]:
 
 
 def end_of_sweep(process: subprocess.Popen, seen: list, run: list[int]) -> tuple[str, list[int]]:
-    """The sweep's whole output once its pipe has closed (every process of the run has
-    exited), and those of `run` still running then: killed, so a failing test leaves none."""
+    """The sweep's whole output once its pipe has closed, and the processes of `run` still
+    running 10 s later (a process may close its output a moment before it exits): killed,
+    so a failing test leaves none."""
     try:
         output = finish(process, seen, timeout=90)
     except subprocess.TimeoutExpired:
         output = "".join(seen) + "\n(still running 90 s after the signal)"
+    deadline = time.monotonic() + 10
+    while any(pid_alive(pid) for pid in run) and time.monotonic() < deadline:
+        time.sleep(0.1)
     left = [pid for pid in run if pid_alive(pid)]
     for pid in left:
         os.kill(pid, signal.SIGKILL)

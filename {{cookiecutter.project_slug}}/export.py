@@ -19,8 +19,9 @@ rank 0 alone writes. Load the result into the model you train:{% endif %}
   model.load_state_dict(torch.load("model.pt", weights_only=True))
   # or: model.load_state_dict(safetensors.torch.load_file("model.safetensors"))
   # or, with no model.py at all: torch.export.load("model.pt2").module()(images)
+  # (load only programs you made: torch's loader runs code made from the file)
 
-predict.py runs any of them on new inputs.
+predict.py runs model.pt or model.safetensors on new inputs.
 """
 
 import argparse

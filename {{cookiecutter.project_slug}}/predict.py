@@ -1,13 +1,15 @@
 """Run a trained model on new inputs: one JSON line per input, in the inputs' order.
 
   python predict.py --checkpoint runs/default/checkpoints/best.pt --inputs photos/ --out predictions.jsonl
-  torchrun --nproc_per_node=4 predict.py --checkpoint export/model.pt2 --inputs photos/ --out predictions.jsonl
+  torchrun --nproc_per_node=4 predict.py --checkpoint export/model.safetensors --inputs photos/ --out predictions.jsonl
 
 --checkpoint: a training checkpoint (a .pt file{% if cookiecutter.fsdp %}, or a sharded checkpoint's folder{% endif %}), or a
-file export.py wrote (model.pt, model.safetensors, or the program model.pt2) with its
-model.yaml beside it. --inputs: what data.py's `build_predict_set` reads (this example: a
-folder of images), pre-processed as validation samples are; model.py's `predict_step`
-makes each input's result. Key=value overrides apply to the model's settings (e.g.
+file of weights export.py wrote (model.pt or model.safetensors) with its model.yaml
+beside it. Not export's program, model.pt2: loading one runs Python that torch makes from
+the file, so a hostile one runs code; its weights are in model.safetensors beside it.
+--inputs: what data.py's `build_predict_set` reads (this example: a folder of images),
+pre-processed as validation samples are; model.py's `predict_step` makes each input's
+result. Key=value overrides apply to the model's settings (e.g.
 train.eval_batch_size=64 train.num_workers=8).
 
 Each process holds the whole model and predicts whole batches, dealt as evaluation deals
@@ -16,24 +18,24 @@ them in input order (on several nodes, --out's folder must be one they all see).
 holds the same inputs on any number of processes, so the file is the same, to the bit, on
 any number. --out is created, never replaced: if it appears meanwhile (another run's),
 this run stops in one line. A file a user hands in is read as data: nothing in it runs
-(docs/checkpoints.md says what is refused).
+(docs/checkpoints.md).
 """
 
 import argparse
 import json
 import os
 import shutil
+import signal
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from torch.distributed.elastic.multiprocessing.errors import record
-from torch.export.passes import move_to_device_pass
 
 import data
 import model as task
 from data import DataConfig
-from engine.checkpoint import load_checkpoint, load_exported_weights, load_model_state, load_model_weights, load_program
+from engine.checkpoint import load_checkpoint, load_exported_weights, load_model_state, load_model_weights
 from engine.config import load_config
 from engine.distributed import (
     broadcast_from_main,
@@ -54,7 +56,7 @@ from recipe import OptimConfig
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="a checkpoint, or export.py's .pt, .safetensors or .pt2")
+    parser.add_argument("--checkpoint", required=True, help="a checkpoint, or export.py's .pt or .safetensors")
     parser.add_argument("--inputs", required=True, help="the new inputs, as data.py's build_predict_set reads them")
     parser.add_argument("--out", required=True, help="the JSON-lines file to write (must not exist yet)")
     parser.add_argument("--config", default=None, help="YAML config (default: the one saved with the model)")
@@ -67,6 +69,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> None:
     args = parse_args(argv)
     source, out = Path(args.checkpoint), Path(args.out)
+    refuse_program(source)
+    # SIGTERM (a launcher's, a scheduler's) stops it as Ctrl-C does: through the `finally`
+    # below, which removes this run's parts.
+    signal.signal(signal.SIGTERM, signal.default_int_handler)
     if os.path.lexists(out):  # it may be last week's predictions, or a link: never written through
         raise already_exists(out)
     build_predict_set, predict_step = task_hooks()
@@ -125,11 +131,22 @@ def task_hooks():
     return data.build_predict_set, task.predict_step
 
 
-EXPORTED = (".pt2", ".safetensors")  # export.py's suffixes; its .pt counts when model.yaml is beside it
+EXPORTED = (".safetensors",)  # export.py's weights; its .pt counts when model.yaml is beside it
 
 
 def is_export(source: Path) -> bool:
     return source.suffix in EXPORTED or (source.suffix == ".pt" and source.with_suffix(".yaml").is_file())
+
+
+def refuse_program(source: Path) -> None:
+    """export's model.pt2 is refused unread: torch.export.load builds Python from what the
+    file says and runs it (and unpickles what it marks so), so a hostile file runs code."""
+    if source.suffix == ".pt2":
+        raise UsageError(
+            f"--checkpoint {str(source)!r} is a torch.export program, which predict.py does not load (loading one runs "
+            f"code made from the file); give {source.with_suffix('.safetensors').name}, its weights, which export.py "
+            "writes beside it"
+        )
 
 
 def saved_settings(source: Path) -> Path | None:
@@ -148,11 +165,8 @@ def saved_settings(source: Path) -> Path | None:
 
 
 def load_predictor(source: Path, ckpt: dict | None, cfg, device: torch.device) -> torch.nn.Module:
-    """The model in eval mode: an export's program, or the model of cfg holding the weights
-    of an export's file or of a checkpoint (`ckpt`: what load_checkpoint read of it)."""
-    if source.suffix == ".pt2":
-        # Traced in eval mode; the pass moves its constants too, which .to() leaves behind.
-        return CheckedInputs(move_to_device_pass(load_program(source), device), source)
+    """The model of cfg in eval mode, holding the weights of an export's file or of a
+    checkpoint (`ckpt`: what load_checkpoint read of it)."""
     if ckpt is None:
         weights = load_exported_weights(source)
     else:  # a file's weights were read with its settings; a folder's are read now
@@ -160,33 +174,6 @@ def load_predictor(source: Path, ckpt: dict | None, cfg, device: torch.device) -
     model = build_model(cfg)
     load_model_weights(model, weights, str(source))
     return model.to(device).eval()
-
-
-class CheckedInputs(torch.nn.Module):
-    """A torch.export program's module that first compares its inputs with the shapes the
-    program was traced for (torch's own refusal is a long traceback): one line naming both.
-    A free size (the batch) takes any length."""
-
-    def __init__(self, program: torch.export.ExportedProgram, source: Path):
-        super().__init__()
-        self.program, self.source = program.module(), source
-        placeholders = {node.name: node for node in program.graph.nodes if node.op == "placeholder"}
-        names = [spec.arg.name for spec in program.graph_signature.input_specs if spec.kind.name == "USER_INPUT"]
-        self.shapes = [
-            tuple(size if isinstance(size, int) else None for size in placeholders[name].meta["val"].shape)
-            for name in names
-        ]
-
-    def forward(self, *inputs):
-        for index, (given, shape) in enumerate(zip(inputs, self.shapes, strict=False), 1):
-            sizes = tuple(given.shape) if isinstance(given, torch.Tensor) else ()
-            if len(sizes) != len(shape) or any(size not in (None, got) for size, got in zip(shape, sizes, strict=True)):
-                expected = ", ".join("batch" if size is None else str(size) for size in shape)
-                raise UsageError(
-                    f"{str(self.source)!r} takes input {index} of shape ({expected}), given {sizes}; "
-                    "predict with the settings it was exported with (its model.yaml), or export it again with these"
-                )
-        return self.program(*inputs)
 
 
 def predict_own_batches(model, loader, predict_step, part: Path, device, precision: str) -> None:

@@ -19,17 +19,13 @@ A checkpoint holds plain data only (tensors, numbers, strings, lists, dicts), so
 with `torch.load(weights_only=True)`, which refuses to run code hidden in a pickle.
 Every load goes through `load_checkpoint`, which checks what the checkpoint holds
 (`check_contents`): a file that is not a checkpoint of this project, or one of a newer
-format, is refused in one line before anything uses it. The files export.py writes load
-through `load_exported_weights` (model.pt, model.safetensors) and `load_program`
-(model.pt2, read as data by `check_program` before torch reads it); every set of weights
-is checked against the model, names, shapes and dtypes, by `check_shapes`.
+format, is refused in one line before anything uses it. The weights export.py writes load
+through `load_exported_weights` (model.pt, model.safetensors); every set of weights is
+checked against the model, names, shapes and dtypes, by `check_shapes`.
 """
 
 import dataclasses
 import importlib.util
-import io
-import json
-import logging
 import math
 import os
 import pickle
@@ -380,173 +376,6 @@ def load_exported_weights(path: Path) -> dict:
         if not isinstance(value, torch.Tensor):
             raise UnusableCheckpoint(f"{str(path)!r} holds {name!r}: {a(type(value))}, not a tensor", "export it again")
     return weights
-
-
-# What torch.export.save writes for a program that holds tensors only, by name inside the
-# archive's root folder. Any other member (compiled AOTInductor code, extra files, older
-# layouts that torch unpickles) is refused: this project does not check it.
-PROGRAM_MEMBERS = re.compile(
-    r"archive_format|archive_version|byteorder|\.data/version|\.data/serialization_id|models/model\.json"
-    r"|data/weights/model_weights_config\.json|data/weights/weight_\d+"
-    r"|data/constants/model_constants_config\.json|data/constants/tensor_\d+|data/sample_inputs/model\.pt"
-)
-# The graph's calls: torch's ATen operators, and the arithmetic on sizes torch.export emits.
-OPERATOR = re.compile(
-    r"torch\.ops\.aten\.\w+\.\w+|_operator\.(getitem|add|sub|mul|floordiv|truediv|mod|pow|neg|eq|ne|lt|le|gt|ge)"
-    r"|torch\.sym_(float|int|max|min|not|ite|sqrt)|math\.(ceil|floor|trunc)"
-)
-SYMBOL = re.compile(r"[a-z]+\d+")  # a size torch.export leaves free: s0, s77, u3
-# What a shape expression (torch evaluates it as Python, with sympy's names) may hold:
-# numbers, sizes, operators, and these names of sympy's and torch's.
-FORMULA_TOKEN = re.compile(r"\s+|\d+(\.\d*)?(e[+-]?\d+)?|'[a-z]+\d+'|\w+|\*\*|[-+*/%(),<>=!&|~]=?")
-FORMULA_NAMES = {
-    *("Symbol", "Integer", "Float", "Rational", "True", "False", "oo", "positive", "integer", "nonnegative", "real"),
-    *("Add", "Mul", "Pow", "Max", "Min", "Abs", "Mod", "floor", "ceiling", "Eq", "Ne", "Lt", "Le", "Gt", "Ge"),
-    *("And", "Or", "Not", "FloorDiv", "ModularIndexing", "Where", "PythonMod", "CleanDiv", "CeilToInt", "FloorToInt"),
-    *("CeilDiv", "LShift", "RShift", "PowByNatural", "FloatPow", "FloatTrueDiv", "IntTrueDiv", "TruncToFloat"),
-    *("TruncToInt", "RoundToInt", "RoundDecimal", "ToFloat", "Identity", "IsNonOverlappingAndDenseIndicator"),
-}
-
-
-def load_program(path: Path) -> torch.export.ExportedProgram:
-    """A torch.export program (.pt2) on the CPU, once `check_program` found nothing in it
-    that would run code; torch's own log of why a file would not load is a traceback,
-    kept quiet for the one line."""
-    check_program(path)
-    log = logging.getLogger("torch.export")
-    level = log.level
-    log.setLevel(logging.ERROR)
-    try:
-        return torch.export.load(path)
-    except Exception as error:  # noqa: BLE001  a truncated or foreign file alike
-        raise UnusableCheckpoint(
-            f"cannot load {str(path)!r} as a torch.export program ({one_line(error)})", "export it again"
-        ) from None
-    finally:
-        log.setLevel(level)
-
-
-def check_program(path: Path) -> None:
-    """Read a .pt2 archive as data, before torch does, and refuse what torch would unpickle
-    (weights and constants stored as pickles, custom or opaque objects, sample inputs that
-    need more than weights_only), or run as Python (guard code, shape expressions beyond
-    arithmetic, calls to anything but torch's operators), or that this check cannot read."""
-    if not path.is_file():
-        raise CheckpointError(f"checkpoint {str(path)!r} not found")
-    try:
-        with zipfile.ZipFile(path) as archive:
-            members = program_members(path, archive)
-
-            def read(name: str) -> bytes:
-                return archive.read(members[name])
-
-            check_stored(path, read, "data/sample_inputs/model.pt" in members)
-            for name, member in members.items():
-                if not PROGRAM_MEMBERS.fullmatch(name):
-                    raise refused_program(path, f"{member!r}, a part this project does not check")
-            check_graph(path, json.loads(read("models/model.json")))
-    except (OSError, zipfile.BadZipFile, ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
-        raise UnusableCheckpoint(
-            f"cannot load {str(path)!r} as a torch.export program ({one_line(error)})", "export it again"
-        ) from None
-
-
-def refused_program(path: Path, what: str) -> UnusableCheckpoint:
-    return UnusableCheckpoint(
-        f"{str(path)!r} holds {what}, which could run code when loaded", "refused: export it again with export.py"
-    )
-
-
-def program_members(path: Path, archive: zipfile.ZipFile) -> dict[str, str]:
-    """The archive's members by name inside its root folder, as torch reads them; one
-    name twice could be read differently by torch."""
-    names = archive.namelist()
-    root = f"{names[0].split('/')[0]}/" if names else ""
-    if len(set(names)) != len(names) or not all(name.startswith(root) for name in names):
-        raise refused_program(
-            path, "members of one name twice or outside its folder, a layout this project does not check"
-        )
-    return {name[len(root) :]: name for name in names}
-
-
-def check_stored(path: Path, read, has_sample_inputs: bool) -> None:
-    """Weights and constants stored as raw tensors, and sample inputs that load with
-    weights_only, the only ones torch reads without unpickling."""
-    for kind, stored in (("weight", "weight_"), ("constant", "tensor_")):
-        payloads = json.loads(read(f"data/{kind}s/model_{kind}s_config.json"))["config"]
-        for name, payload in payloads.items():
-            if payload["use_pickle"] is not False or not str(payload["path_name"]).startswith(stored):
-                raise refused_program(path, f"pickled data ({kind} {name!r})")
-    if has_sample_inputs and not plain_tensors(read("data/sample_inputs/model.pt")):
-        raise refused_program(path, "pickled data (its sample inputs)")
-
-
-def plain_tensors(data: bytes) -> bool:
-    """Whether torch.load reads `data` with weights_only=True (torch falls back to a full
-    unpickler for sample inputs that it does not)."""
-    try:
-        torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except Exception:  # noqa: BLE001
-        return False
-    return True
-
-
-def check_graph(path: Path, program: dict) -> None:
-    """The serialized program's parts that torch turns into Python it runs."""
-    if program.get("guards_code"):
-        raise refused_program(path, "Python code (its guards)")
-    for spec in program["graph_module"]["signature"]["input_specs"]:
-        (kind, value), *_ = spec.items()
-        if kind not in ("parameter", "buffer", "tensor_constant", "user_input") or (
-            kind == "user_input" and list(value["arg"]) != ["as_tensor"]
-        ):
-            raise refused_program(path, f"an input of kind {kind!r}, which this project does not check")
-    for node in json_dicts(program):
-        for key, value in node.items():
-            if key == "expr_str" and not is_formula(value):
-                raise refused_program(path, f"Python code (shape expression {value[:40]!r})")
-            called = key == "as_operator" or (key == "target" and "inputs" in node)
-            if called and not (OPERATOR.fullmatch(value) and "__" not in value):
-                raise refused_program(path, f"a call to {value!r}, which is not one of torch's operators")
-            if key in ("as_int", "min_val", "max_val", "hint") and not isinstance(value, int | None | dict):
-                raise refused_program(path, f"{key} {str(value)[:40]!r} where a number belongs")
-            if key == "in_spec" and not positional(json.loads(value)):
-                raise refused_program(path, "inputs by keyword, which this project does not check")
-    if not all(SYMBOL.fullmatch(name) for name in program["range_constraints"]):
-        raise refused_program(path, "a size whose name is not a plain symbol")
-
-
-def json_dicts(tree):
-    """Every dict in a JSON document, at any depth."""
-    if isinstance(tree, dict):
-        yield tree
-        tree = list(tree.values())
-    if isinstance(tree, list):
-        for item in tree:
-            yield from json_dicts(item)
-
-
-def is_formula(text) -> bool:
-    """Whether a shape expression is arithmetic on sizes only: torch evaluates it as Python."""
-    if not isinstance(text, str):
-        return False
-    position = 0
-    while position < len(text):
-        token = FORMULA_TOKEN.match(text, position)
-        if token is None:
-            return False
-        word = token.group()
-        if re.fullmatch(r"[A-Za-z_]\w*", word) and word not in FORMULA_NAMES and not SYMBOL.fullmatch(word):
-            return False
-        position = token.end()
-    return True
-
-
-def positional(spec) -> bool:
-    """Whether a serialized input tree takes its inputs by position only: torch writes
-    a keyword's name into Python it runs."""
-    _, tree = spec
-    return tree["context"] in (None, "null", "[]") and all(positional([0, child]) for child in tree["children_spec"])
 
 
 def strip_prefixes(state_dict: dict) -> dict:

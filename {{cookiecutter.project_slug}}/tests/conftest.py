@@ -184,6 +184,9 @@ def forkable(env: dict) -> bool:
     server_env = rank_server_env()
     changed = {name for name in env.keys() | server_env.keys() if env.get(name) != server_env.get(name)}
     changed.discard("PYTEST_CURRENT_TEST")  # pytest sets it for each test
+    # torch sets it in this process the first time inductor looks for its cache (e.g. a test
+    # that loads a torch.export program here): its default, which a forked rank finds alike.
+    changed.discard("TORCHINDUCTOR_CACHE_DIR")
     return all(name.startswith(FORKED_RANKS_TAKE) for name in changed)
 
 

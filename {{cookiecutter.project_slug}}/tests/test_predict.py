@@ -1,8 +1,9 @@
 """predict.py on the reference task: a folder of real image files, predicted from a
-checkpoint and from each file export.py writes, on 1, 2 and 3 processes, gives one file,
+checkpoint and from each file of weights export.py writes, on 1, 2 and 3 processes, gives one file,
 the same to the bit, with the model's own answer for every image; bad input is one line
 and leaves nothing behind."""
 
+import contextlib
 import json
 import os
 import pickle
@@ -58,8 +59,7 @@ def test_one_file_to_the_bit_from_any_model_file_on_1_2_and_3_processes(exported
         "checkpoint, 1 process": (checkpoint, None, []),
         "model.pt, 2 processes": (export / "model.pt", 2, ["train.eval_batch_size=4"]),
         "model.safetensors, 3 processes": (export / "model.safetensors", 3, ["train.eval_batch_size=4"]),
-        "model.pt2, 3 processes": (export / "model.pt2", 3, ["train.eval_batch_size=4"]),
-        "model.pt2, 1 process": (export / "model.pt2", None, ["train.eval_batch_size=3"]),
+        "model.safetensors, 1 process": (export / "model.safetensors", None, ["train.eval_batch_size=3"]),
     }
     written = {}
     for name, (source, nproc, extra) in runs.items():
@@ -83,9 +83,7 @@ def test_one_file_to_the_bit_from_any_model_file_on_1_2_and_3_processes(exported
     assert [row["label"] for row in rows] == labels
 
 
-@pytest.mark.parametrize(
-    "case", ["out exists", "no inputs folder", "no image in it", "program without its settings", "truncated program"]
-)
+@pytest.mark.parametrize("case", ["out exists", "no inputs folder", "no image in it", "weights without their settings"])
 def test_bad_input_is_one_line_and_writes_nothing(exported, photos, tmp_path, case):
     checkpoint, export = exported
     source, inputs, out = checkpoint, photos, tmp_path / "predictions.jsonl"
@@ -98,11 +96,8 @@ def test_bad_input_is_one_line_and_writes_nothing(exported, photos, tmp_path, ca
         inputs.mkdir()
         (inputs / "notes.txt").write_text("not an image")
     else:
-        source = tmp_path / "model.pt2"
-        shutil.copy(export / "model.pt2", source)
-        if case == "truncated program":
-            shutil.copy(export / "model.yaml", tmp_path / "model.yaml")
-            source.write_bytes(source.read_bytes()[:1000])
+        source = tmp_path / "model.safetensors"
+        shutil.copy(export / "model.safetensors", source)
     before = sorted(tmp_path.rglob("*"))
     result = predict(source, inputs, out, nproc=2, check=False)
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
@@ -111,10 +106,9 @@ def test_bad_input_is_one_line_and_writes_nothing(exported, photos, tmp_path, ca
         "out exists": "already exists; choose another --out",
         "no inputs folder": "is not a folder",
         "no image in it": "holds no image files",
-        "program without its settings": "model.yaml' is missing: export.py writes it",
-        "truncated program": "as a torch.export program",
+        "weights without their settings": "model.yaml' is missing: export.py writes it",
     }[case]
-    assert expected in errors[0] and "torch/export/" not in result.stderr  # torch's own log of the failure is quiet
+    assert expected in errors[0]
     assert sorted(tmp_path.rglob("*")) == before  # nothing written, nothing removed
     if case == "out exists":
         assert out.read_text() == "last week's predictions\n"
@@ -196,9 +190,9 @@ def test_processes_that_list_different_inputs_stop_in_one_line(exported, photos,
 
 def test_a_missing_model_file_and_an_out_named_like_its_companions_are_one_line(exported, photos, tmp_path):
     checkpoint, export = exported
-    missing = predict(tmp_path / "nope" / "model.pt2", photos, tmp_path / "p.jsonl", check=False)
+    missing = predict(tmp_path / "nope" / "model.safetensors", photos, tmp_path / "p.jsonl", check=False)
     assert missing.returncode == 2 and missing.stderr.strip().splitlines()[-1] == (
-        f"error: --checkpoint '{tmp_path / 'nope' / 'model.pt2'}' not found"
+        f"error: --checkpoint '{tmp_path / 'nope' / 'model.safetensors'}' not found"
     )
     args = ["--checkpoint", checkpoint, "--out", tmp_path / "model.pt2", "--program"]
     clash = run_script("export.py", args, check=False)
@@ -229,106 +223,35 @@ def rewrite_archive(source, target, change) -> None:
             archive.writestr(f"{root}/{name}", data)
 
 
-def edit_json(members: dict, name: str, edit) -> None:
-    document = json.loads(members[name])
-    edit(document)
-    members[name] = json.dumps(document).encode()
-
-
-def hostile(case: str, marker) -> tuple:
-    """How to turn a program into one that runs code when loaded (or run) the way `case`
-    says, and what the refusal names."""
-    payload = pickle.dumps(RunsCode(marker))
-    code = f"open({str(marker)!r}, 'w').write('ran')"
-    symbol = "Symbol('s77', positive=True, integer=True)"
-
-    def pickled_weight(members):
-        weights = "data/weights/model_weights_config.json"
-        edit_json(members, weights, lambda d: d["config"]["net.2.linear.weight"].update(use_pickle=True))
-        members["data/weights/weight_0"] = payload
-
-    def pickled_constant(name):
-        def change(members):
-            entry = {"path_name": name, "is_param": False, "use_pickle": True, "tensor_meta": None}
-            edit_json(members, "data/constants/model_constants_config.json", lambda d: d["config"].update(c=entry))
-            members[f"data/constants/{name}"] = payload
-
-        return change
-
-    def sample_inputs(members):
-        members["data/sample_inputs/model.pt"] = payload
-
-    def guard_code(members):
-        edit_json(members, "models/model.json", lambda d: d.update(guards_code=[code]))
-
-    def expression(members):
-        text = members["models/model.json"].decode()
-        assert symbol in text
-        members["models/model.json"] = text.replace(symbol, f'exec(\\"{code}\\") or {symbol}').encode()
-
-    return {
-        "pickled weight": (pickled_weight, "pickled data (weight 'net.2.linear.weight')"),
-        "pickled constant": (pickled_constant("tensor_0"), "pickled data (constant 'c')"),
-        "opaque object": (pickled_constant("opaque_obj_0"), "pickled data (constant 'c')"),
-        "custom object": (pickled_constant("custom_obj_0"), "pickled data (constant 'c')"),
-        "sample inputs": (sample_inputs, "pickled data (its sample inputs)"),
-        "guard code": (guard_code, "Python code (its guards)"),
-        "expression": (expression, "Python code (shape expression 'exec("),
-    }[case]
-
-
-@pytest.mark.parametrize(
-    "case",
-    [
-        "pickled weight",
-        "pickled constant",
-        "opaque object",
-        "custom object",
-        "sample inputs",
-        "guard code",
-        "expression",
-    ],
-)
-def test_a_program_that_would_run_code_is_refused_before_torch_reads_it(exported, photos, tmp_path, case):
-    """export.py's own program, rewritten as a hostile file would be: a weight or constant
-    stored as a pickle, sample inputs only a full unpickler reads, guard code or a shape
-    expression that torch would execute. Refused in one line; the payload never runs."""
+def test_a_program_is_refused_unread_and_nothing_in_it_runs(exported, photos, tmp_path):
+    """export.py's model.pt2, rewritten as a hostile file would be (a weight stored as a
+    pickle that writes a file when unpickled): predict.py refuses any program before
+    reading it, pointing at the weights beside it; export's own program the same way."""
     _, export = exported
     marker = tmp_path / "ran"
-    change, named = hostile(case, marker)
-    program = tmp_path / "model.pt2"
-    rewrite_archive(export / "model.pt2", program, change)
-    shutil.copy(export / "model.yaml", tmp_path / "model.yaml")
-    result = predict(program, photos, tmp_path / "p.jsonl", check=False)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 2 and len(errors) == 1, result.stdout + result.stderr
-    assert errors[0].startswith(f"error: {str(program)!r} holds {named}") and errors[0].endswith(
-        "which could run code when loaded; refused: export it again with export.py"
-    ), errors[0]
+
+    def pickled_weight(members):
+        config = json.loads(members["data/weights/model_weights_config.json"])
+        config["config"]["net.2.linear.weight"]["use_pickle"] = True
+        members["data/weights/model_weights_config.json"] = json.dumps(config).encode()
+        members["data/weights/weight_0"] = pickle.dumps(RunsCode(marker))
+
+    hostile = tmp_path / "hostile" / "model.pt2"
+    hostile.parent.mkdir()
+    rewrite_archive(export / "model.pt2", hostile, pickled_weight)
+    shutil.copy(export / "model.yaml", hostile.with_suffix(".yaml"))
+    for program in (hostile, export / "model.pt2"):
+        result = predict(program, photos, tmp_path / "p.jsonl", check=False)
+        assert result.returncode == 2 and result.stderr.strip().splitlines() == [
+            f"error: --checkpoint {str(program)!r} is a torch.export program, which predict.py does not load "
+            "(loading one runs code made from the file); give model.safetensors, its weights, which export.py "
+            "writes beside it"
+        ], result.stdout + result.stderr
     assert not marker.exists() and not (tmp_path / "p.jsonl").exists()
-
-
-def test_a_rewritten_program_that_holds_only_tensors_still_predicts(exported, photos, tmp_path):
-    """The check reads the archive, not how it was zipped: export's program, re-zipped
-    unchanged, predicts what the original does."""
-    _, export = exported
-    program = tmp_path / "model.pt2"
-    rewrite_archive(export / "model.pt2", program, lambda members: None)
-    shutil.copy(export / "model.yaml", tmp_path / "model.yaml")
-    predict(program, photos, tmp_path / "copy.jsonl")
-    predict(export / "model.pt2", photos, tmp_path / "original.jsonl")
-    assert (tmp_path / "copy.jsonl").read_bytes() == (tmp_path / "original.jsonl").read_bytes()
-
-
-def test_a_program_given_images_of_another_size_says_which_in_one_line(exported, photos, tmp_path):
-    _, export = exported
-    result = predict(export / "model.pt2", photos, tmp_path / "p.jsonl", extra=["data.image_size=16"], check=False)
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert result.returncode == 2 and errors == [
-        f"error: {str(export / 'model.pt2')!r} takes input 1 of shape (batch, 3, 8, 8), given (11, 3, 16, 16); "
-        "predict with the settings it was exported with (its model.yaml), or export it again with these"
-    ], result.stderr
-    assert "Traceback" not in result.stderr and not (tmp_path / "p.jsonl").exists()
+    # What the refusal protects against: torch's own loader runs the hostile file's pickle.
+    with contextlib.suppress(Exception):
+        torch.export.load(hostile)
+    assert marker.read_text() == "ran"
 
 
 @pytest.mark.parametrize("dtype", [torch.int8, torch.bool])
@@ -445,9 +368,10 @@ def test_images_under_a_linked_folder_are_predicted_and_a_link_loop_is_listed_on
     assert inputs == sorted(str(path) for path in expected)
 
 
-def test_a_ctrl_c_while_predicting_leaves_no_file_and_no_part(exported, photos, tmp_path):
-    """Ctrl-C while the rank writes its part: the run stops, and its hidden folder of parts
-    is gone with it."""
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_stop_while_predicting_leaves_no_file_and_no_part(exported, photos, tmp_path, stop):
+    """Ctrl-C or SIGTERM while the rank writes its part: the run stops, and its hidden
+    folder of parts is gone with it."""
     checkpoint, _ = exported
     project = tmp_path / "project"
     shutil.copytree(machinery_project(), project, ignore=shutil.ignore_patterns("__pycache__"))
@@ -467,12 +391,15 @@ def test_a_ctrl_c_while_predicting_leaves_no_file_and_no_part(exported, photos, 
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # As from a terminal, whatever started these tests: a runner in the background ignores
+        # SIGINT, and a process that inherits that never sees a Ctrl-C.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     while not started.exists():  # then predict_step runs, its rank's part open
         assert run.poll() is None, run.communicate()
         time.sleep(0.1)
     assert [path.name.startswith(".predictions.jsonl.") for path in out.parent.iterdir()] == [True]
-    run.send_signal(signal.SIGINT)
+    run.send_signal(stop)
     _, stderr = run.communicate(timeout=120)
     assert run.returncode != 0, stderr
     assert list(out.parent.iterdir()) == [], stderr

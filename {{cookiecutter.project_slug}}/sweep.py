@@ -8,7 +8,7 @@ A key with several values (comma-separated; a list value keeps its brackets:
 model.widths=[32,64],[64,128]; quotes keep a comma in a value and are not part of it:
 data.name='a,b',c) is swept; a key with one value applies to every run. Each run's
 output_dir is --out/<its swept settings>, e.g. runs/sweep/optim.lr=0.05,model.name=mlp
-(a value's `/` and `%` written %2F and %25), and it is an ordinary run: resumable and
+(a value's `/`, `%`, `,` and `=` written %2F, %25, %2C and %3D), and it is an ordinary run: resumable and
 locked as any. The same command again continues the runs that did not finish and passes
 over those that did. The table at the end gives each run's best checkpoint.best_metric.
 
@@ -143,10 +143,11 @@ def plan(grid: dict[str, list[str]], out: Path) -> list[tuple[dict, Path]]:
 
 
 def folder_name_part(value: str) -> str:
-    """The value as a folder's name holds it: `%`, `/` and control characters
-    percent-encoded (%25, %2F, ...), so that no two values share a name and
-    urllib.parse.unquote gives the value back."""
-    return re.sub(r"[%/\x00-\x1f\x7f]", lambda found: f"%{ord(found.group()):02X}", value)
+    """The value as a folder's name holds it: `%`, `/`, control characters and the name's
+    own separators `,` and `=` percent-encoded (%25, %2F, %2C, %3D, ...), so that no two
+    values share a name and a name splits back into its settings (urllib.parse.unquote
+    gives each value back)."""
+    return re.sub(r"[%/,=\x00-\x1f\x7f]", lambda found: f"%{ord(found.group()):02X}", value)
 
 
 def check_folders(runs: list[tuple[dict, Path]]) -> None:
@@ -174,8 +175,8 @@ def check_folders(runs: list[tuple[dict, Path]]) -> None:
 
 def command(args: argparse.Namespace, settings: dict, output_dir: Path) -> list[str]:
     launcher = [sys.executable]
-    if args.nproc > 1:  # torchrun{% if cookiecutter.launcher %}, ending in the run's own last line (engine/launch.py){% endif %}
-        module = "{{ 'engine.launch' if cookiecutter.launcher else 'torch.distributed.run' }}"
+    if args.nproc > 1:  # torchrun; where the project has engine/launch.py, ending in the run's own last line
+        module = "engine.launch" if (ROOT / "engine" / "launch.py").is_file() else "torch.distributed.run"
         launcher += ["-m", module, "--standalone", f"--nproc_per_node={args.nproc}", TORCHRUN_PASSES_ON]
     return [*launcher, str(SCRIPT), *train_args(args, settings, output_dir)]
 

@@ -240,6 +240,8 @@ MOVED_KEYS = {
     "train.strategy": "fsdp.enabled",
     "train.fsdp_cpu_offload": "fsdp.cpu_offload",
 }
+# Moved keys whose values changed too: how to write the new one.
+NEW_VALUES = {"train.strategy": "set fsdp.enabled=true for strategy fsdp, false for ddp"}
 
 
 def unknown_key_message(error: "UnknownKey", known: list[str]) -> str:
@@ -248,7 +250,8 @@ def unknown_key_message(error: "UnknownKey", known: list[str]) -> str:
     if moved is None:
         return f"{error}{suggestion(error.key, known)}"
     section = moved.split(".")[0]
-    fix = "rename it" if moved in known else f"this project was generated without the {section} part"
+    fix = NEW_VALUES.get(error.key, "rename it")
+    fix = fix if moved in known else f"this project was generated without the {section} part"
     return f"config key {error.key!r} moved to {moved!r}; {fix}"
 
 

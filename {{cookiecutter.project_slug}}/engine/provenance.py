@@ -88,10 +88,12 @@ def git(folder: Path, deadline: float, *args: str) -> str | None:
     with process:  # closes the pipes without reading on: what git started may hold them
         try:
             out, err = process.communicate(timeout=max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        except BaseException as error:  # the time limit, or a Ctrl-C meanwhile: nothing of git is left
             with contextlib.suppress(ProcessLookupError):  # the whole session's group: git's children too
                 os.killpg(process.pid, signal.SIGKILL)
-            raise GitHung() from None
+            if isinstance(error, subprocess.TimeoutExpired):
+                raise GitHung() from None
+            raise
     if process.returncode == 0:
         return out.strip()
     if "not a git repository" in err:

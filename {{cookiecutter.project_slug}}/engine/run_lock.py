@@ -37,6 +37,7 @@ import time
 from pathlib import Path
 
 from engine.errors import OutputDirInUse, UsageError
+from engine.files import write_temporary
 
 HEARTBEAT_S = 30.0
 STALE_S = 120.0  # four missed heartbeats
@@ -114,10 +115,10 @@ class RunLock:
         """Create the lock, whole or not at all: written beside it, then linked into place,
         which fails if a lock exists. A lock that could not be written (a full disk)
         is never left empty, where it would block the next start as a live holder's."""
-        tmp = self.path.with_name(f".{LOCK_NAME}.{os.getpid()}.tmp")
-        try:
-            tmp.write_text(json.dumps(self.me))
-            os.link(tmp, self.path)
+        tmp = None
+        try:  # a temporary of a random name, created anew: never a link planted there, nor another run's
+            tmp = write_temporary(self.path.parent, LOCK_NAME, lambda f: f.write(json.dumps(self.me).encode()))
+            os.link(tmp, self.path, follow_symlinks=False)
         except FileExistsError:
             return False
         except OSError as error:
@@ -126,7 +127,8 @@ class RunLock:
                 "another output_dir, then run the same command again"
             ) from None
         finally:
-            tmp.unlink(missing_ok=True)
+            if tmp is not None:
+                tmp.unlink(missing_ok=True)
         return True
 
     def in_use(self, holder: dict) -> OutputDirInUse:

@@ -77,7 +77,9 @@ class StreamSteps:
 
     def __init__(self, accum_steps: int, vote_group):
         self.accum_steps, self.told = accum_steps, False
-        self.group = vote_group if get_world_size() > 1 else None
+        self.group = None
+        if get_world_size() > 1:  # without the run's group (a script of the user's): one of its own
+            self.group = vote_group if vote_group is not None else dist.new_group(backend="gloo")
 
     def __call__(self, batches, epoch: int, skip: int):
         for _ in range(skip):  # trained before the checkpoint this run resumed from

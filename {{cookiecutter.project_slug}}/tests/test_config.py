@@ -572,7 +572,9 @@ def test_a_key_given_twice_on_the_command_line_is_refused():
 
 
 FSDP_MOVE = "config key 'train.strategy' moved to 'fsdp.enabled'; " + (
-    "rename it" if "fsdp" in STRATEGIES else "this project was generated without the fsdp part"
+    "set fsdp.enabled=true for strategy fsdp, false for ddp"
+    if "fsdp" in STRATEGIES
+    else "this project was generated without the fsdp part"
 )
 
 

@@ -101,13 +101,19 @@ def sweep_module():
 
 
 def test_values_apart_keep_their_run_folders_apart_and_each_name_reads_back():
-    """A value's `/` and `%` are percent-encoded in its run's folder name: `a/b` and `a_b`
-    get folders of their own (one run would otherwise resume the other's)."""
+    """A value's `/`, `%`, `,` and `=` are percent-encoded in its run's folder name: `a/b`
+    and `a_b` get folders of their own (one run would otherwise resume the other's), and a
+    name splits back into its settings."""
     module = sweep_module()
     grid = module.parse_grid(["data.root=a/b,a_b,50%,/abs/path"])
     names = [output_dir.name for _, output_dir in module.plan(grid, Path("runs"))]
     assert names == ["data.root=a%2Fb", "data.root=a_b", "data.root=50%25", "data.root=%2Fabs%2Fpath"]
     assert [urllib.parse.unquote(name.split("=", 1)[1]) for name in names] == grid["data.root"]
+    # Values holding the name's own separators: each name still splits back into its settings.
+    grid = module.parse_grid(["data.name='a,model.x=b',c", "model.x=d,'b,model.x=d'"])
+    for settings, output_dir in module.plan(grid, Path("runs")):
+        pairs = [part.split("=") for part in output_dir.name.split(",")]
+        assert {key: urllib.parse.unquote(value) for key, value in pairs} == settings
 
 
 def test_a_quoted_value_is_named_and_passed_without_its_quotes():
@@ -117,9 +123,9 @@ def test_a_quoted_value_is_named_and_passed_without_its_quotes():
     grid = module.parse_grid(["data.name='a,b',\"c,d\",e", "optim.lr=0.1"])
     assert grid == {"data.name": ["a,b", "c,d", "e"], "optim.lr": ["0.1"]}
     (settings, output_dir), *_ = module.plan(grid, Path("runs"))
-    assert output_dir == Path("runs/data.name=a,b")
+    assert output_dir == Path("runs/data.name=a%2Cb")
     args = module.train_args(module.parse_args(["data.name=x"]), settings, output_dir)
-    assert args == ["--config", "config.yaml", "data.name=a,b", "optim.lr=0.1", "output_dir=runs/data.name=a,b"]
+    assert args == ["--config", "config.yaml", "data.name=a,b", "optim.lr=0.1", "output_dir=runs/data.name=a%2Cb"]
 
 
 EMPTY = "has an empty value; give one between every two commas, e.g. optim.lr=0.05,0.1"

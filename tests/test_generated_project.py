@@ -1,5 +1,5 @@
 """The generated project's own CI steps, run inside a freshly baked project: its lint,
-read from its .github/workflows/ci.yml, and its whole test suite, in parts.
+read from its .github/workflows/ci.yml, and its whole test suite (both tiers), in parts.
 The default bake runs it all; the bake without parts (with the second task) runs its task's
 tests and its entry points (WITHOUT_PARTS_RUNS), its other code being the default bake's
 (checked below). Each other
@@ -24,7 +24,16 @@ SUITE_PARTS = {
     "faults": ["test_faults.py"],
     # test_checkpoint.py here: its tests of a project without FSDP run in the bake without parts.
     "task and exactness": ["test_task.py", "test_exactness.py", "test_data.py", "test_config.py", "test_checkpoint.py"],
-    "training and launch": ["test_train.py", "test_task_interface.py", "test_launch.py", "test_launcher.py"],
+    "training and launch": [
+        "test_train.py",
+        "test_task_interface.py",
+        "test_launch.py",
+        "test_launcher.py",
+        "test_divergence.py",
+        "test_recipe.py",
+        "test_metrics.py",
+        "test_no_data_lost.py",
+    ],
     "memory, fsdp, streams and entry points": [
         "test_memory.py",
         "test_fsdp.py",
@@ -44,15 +53,11 @@ SUITE_PARTS = {
         "test_early_stopping.py",
         "test_run_record.py",
         "test_sweep.py",
-        "test_metrics.py",
         "test_throughput.py",
         "test_profiling.py",
         "test_pretrained.py",
-        "test_divergence.py",
         "test_distributed.py",
         "test_batch.py",
-        "test_recipe.py",
-        "test_no_data_lost.py",
     ],
 }
 # What the bake without parts runs of it: its own task's tests, and training, evaluation and
@@ -74,7 +79,11 @@ def test_generated_project_lints_and_its_ci_runs_the_whole_suite(tmp_path, answe
     for command in [line for line in ci_step(project, "Lint")["run"].splitlines() if line.strip()]:
         result = subprocess.run(command, shell=True, cwd=project, env=TOOLS_ENV, capture_output=True, text=True)
         assert result.returncode == 0, f"{command}:\n{result.stdout[-6000:]}{result.stderr[-3000:]}"
-    assert ci_step(project, "Test")["run"].strip() == "pytest -n 2"  # the parts below are that suite
+    # The parts below are both tiers of that suite: the plain one and the slow one.
+    assert [ci_step(project, step)["run"].strip() for step in ("Test", "Slow tests")] == [
+        "pytest -n 2",
+        "pytest -n 2 -m slow",
+    ]
     test_files = sorted(path.name for path in (project / "tests").glob("test_*.py"))
     listed = sorted(name for part in SUITE_PARTS.values() for name in part)
     assert (listed if not answers else sorted(set(listed) & set(test_files))) == test_files
@@ -92,7 +101,17 @@ SUITE_RUNS = [
 def test_generated_project_passes_its_own_suite(tmp_path, part, answers):
     project = bake(tmp_path, project_name="Suite Check", **answers)
     names = [name for name in part if (project / "tests" / name).is_file()]  # a part left out takes its tests
-    command = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", *(f"tests/{name}" for name in names)]
+    every_tier = ["-m", "slow or not slow"]  # the project's addopts leave the slow tier out
+    command = [
+        "python",
+        "-m",
+        "pytest",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *every_tier,
+        *(f"tests/{name}" for name in names),
+    ]
     result = subprocess.run(command, cwd=project, env=TOOLS_ENV, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, f"{part}:\n{result.stdout[-6000:]}{result.stderr[-3000:]}"
     assert " passed" in result.stdout.splitlines()[-1] and " failed" not in result.stdout.splitlines()[-1]

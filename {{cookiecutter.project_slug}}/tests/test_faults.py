@@ -38,6 +38,8 @@ from engine.checkpoint import load_checkpoint, save_checkpoint, step_checkpoints
 from engine.preemption import NoteComparison
 from engine.run_lock import pid_alive  # alive and not a zombie (an orphan may wait unreaped)
 
+pytestmark = pytest.mark.slow  # processes killed, stopped and resumed in every way: CI runs these (pytest -m slow)
+
 # Long enough epochs that a signal lands mid-epoch; runs end at train.stop_at_step.
 LONG = [*FAST, "data.train_size=8192", "train.log_every_steps=1", "data.augment=true", "model.dropout=0.1"]
 END = 300

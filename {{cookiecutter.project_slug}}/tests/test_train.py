@@ -8,13 +8,24 @@ import re
 import select
 import struct
 import subprocess
+import sys
 import termios
 import time
 
 import pytest
 import torch
+import yaml
 
-from conftest import FAST, clean_env, command, machinery_project, read_metrics, run_script
+from conftest import (
+    FAST,
+    REFERENCE_TASK,
+    clean_env,
+    command,
+    machinery_project,
+    read_metrics,
+    reference_config,
+    run_script,
+)
 from engine.checkpoint import load_checkpoint
 
 FAST_SHORT = [*FAST, "train.epochs=1", "data.train_size=512"]
@@ -93,6 +104,7 @@ def run_with_terminal_stderr(args, timeout=240) -> tuple[str, str]:
     return stdout, terminal_text
 
 
+@pytest.mark.slow  # CI runs it (pytest -m slow)
 def test_single_process_run_on_a_terminal(tmp_path, fast_args):
     out = tmp_path / "run"
     stdout, terminal = run_with_terminal_stderr([*fast_args, f"output_dir={out}", "train.epochs=1"])
@@ -120,6 +132,7 @@ def test_bad_config_under_torchrun_is_reported_once(tmp_path):
     "switches",
     [["train.compile=true", "train.channels_last=true"], ["dist.static_graph=true", "dist.bucket_cap_mb=0.01"]],
 )
+@pytest.mark.slow  # CI runs it (pytest -m slow)
 def test_speed_switches_keep_the_math(tmp_path, switches):
     """torch.compile, channels_last, DDP static_graph and bucket size change speed only."""
     args = [*FAST_SHORT, "checkpoint.resume=none"]
@@ -133,3 +146,40 @@ def test_speed_switches_keep_the_math(tmp_path, switches):
     b = load_checkpoint(switched / "checkpoints" / "last.pt")["model"]
     for key, value in a.items():
         torch.testing.assert_close(b[key], value, rtol=1e-4, atol=1e-5, msg=key)
+
+
+# A bad config stops train.py, a real process, in one line (the checks themselves: test_config.py).
+
+
+def test_print_config_shows_every_key_with_its_meaning():
+    shown = subprocess.run(
+        [sys.executable, "train.py", "--print-config", "optim.lr=0.3"],
+        cwd=machinery_project(),
+        capture_output=True,
+        text=True,
+    ).stdout
+    reparsed = reference_config(None, base=yaml.safe_load(shown))
+    assert reparsed == reference_config(REFERENCE_TASK / "config.yaml", ["optim.lr=0.3"])
+    assert "lr: 0.3" in shown and "(default 0.2)" in shown
+    assert "  best_metric: val_acc" in shown and "(default val_loss)" in shown
+    assert "  name: synthetic                        # synthetic (made from the seed) | imagefolder | cifar10" in shown
+
+
+@pytest.mark.parametrize(
+    "config, args, message",
+    [
+        (None, ["optim.lr=.nan"], "error: optim.lr must be a finite number, got nan"),
+        (None, ["optim.lr=0.1", "optim.lr=0.2"], "error: optim.lr is given twice on the command line ('0.1', then"),
+        ("train:\n  optimizer: adamw\n", [], "error: config key 'train.optimizer' moved to 'optim.name'; rename it"),
+        ("optim:\n  lr: 0.1\n  lr: 0.2\n", [], "error: bad.yaml line 3: key 'lr' is written twice in one section"),
+        (b"optim:\n  lr: 0.1 \xff\n", [], "error: config file 'bad.yaml' is not UTF-8 text: byte 0xff at position 17"),
+    ],
+)
+def test_bad_config_stops_train_py_with_one_line(config, args, message):
+    project = machinery_project()
+    if config is not None:
+        path = project / "bad.yaml"
+        path.write_bytes(config if isinstance(config, bytes) else config.encode())
+        args = ["--config", "bad.yaml", *args]
+    run = subprocess.run([sys.executable, "train.py", *args], cwd=project, capture_output=True, text=True)
+    assert run.returncode == 2 and run.stderr.startswith(message) and run.stderr.count("\n") == 1, run.stderr

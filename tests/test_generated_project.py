@@ -1,8 +1,8 @@
 """The generated project's own CI steps, run inside a freshly baked project: its lint,
 read from its .github/workflows/ci.yml, and its whole test suite (both tiers), in parts.
 The default bake runs it all; the bake without parts (with the second task) runs its task's
-tests and its entry points (WITHOUT_PARTS_RUNS), its other code being the default bake's
-(checked below). Each other
+tests, and the machinery's tests of every file from which a "no" removed a part's code
+(WITHOUT_PARTS_RUNS): its other files are the default bake's (checked below). Each other
 task's project lints and passes its task's tests and the config tests (which check its
 config.yaml); its machinery and the machinery's tests are the same files as the default
 project's, which pass in full."""
@@ -60,11 +60,24 @@ SUITE_PARTS = {
         "test_batch.py",
     ],
 }
-# What the bake without parts runs of it: its own task's tests, and training, evaluation and
-# every entry point under real torchrun with no part loaded. Its other tests would run the
-# same code as the default bake's (checked below: the two bakes share every other Python
-# file, docstrings and help texts aside), with fewer parts loaded; its own CI runs them all.
-WITHOUT_PARTS_RUNS = ("task and exactness", "memory, fsdp, streams and entry points")
+# What the bake without parts runs of it: its own task's tests, and the tests of every file
+# from which a "no" removes code: training, checkpoints, evaluation, every entry point under
+# real torchrun. Its other tests would run the same code as the default bake's (checked
+# below: the two bakes share every other Python file, docstrings and help texts aside), with
+# fewer parts loaded; its own CI runs them all.
+WITHOUT_PARTS_RUNS = ("task and exactness", "training and launch", "memory, fsdp, streams and entry points")
+# The files from which a "no" removes a part's code (Jinja in the template): the runs above
+# hold the tests of each.
+PART_CODE = {
+    "train.py",
+    "evaluate.py",
+    "recipe.py",
+    *(f"engine/{name}.py" for name in ("checkpoint", "config", "divergence", "loader", "logs", "metrics")),
+    *(f"engine/{name}.py" for name in ("parallel", "training", "parts/__init__")),
+    "tests/reference_task/train.py",
+    "tests/reference_task/recipe.py",
+    *(f"tests/test_{name}.py" for name in ("checkpoint", "common_changes", "config", "divergence")),
+}
 
 
 # The bake without parts carries the second example task: its own suite then runs that task's
@@ -101,31 +114,27 @@ SUITE_RUNS = [
 def test_generated_project_passes_its_own_suite(tmp_path, part, answers):
     project = bake(tmp_path, project_name="Suite Check", **answers)
     names = [name for name in part if (project / "tests" / name).is_file()]  # a part left out takes its tests
-    every_tier = ["-m", "slow or not slow"]  # the project's addopts leave the slow tier out
-    command = [
-        "python",
-        "-m",
-        "pytest",
-        "-q",
-        "-p",
-        "no:cacheprovider",
-        *every_tier,
-        *(f"tests/{name}" for name in names),
-    ]
+    every_tier = "slow or not slow"  # the project's addopts leave the slow tier out
+    command = ["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", every_tier]
+    command += [f"tests/{name}" for name in names]
     result = subprocess.run(command, cwd=project, env=TOOLS_ENV, capture_output=True, text=True, timeout=1800)
     assert result.returncode == 0, f"{part}:\n{result.stdout[-6000:]}{result.stderr[-3000:]}"
     assert " passed" in result.stdout.splitlines()[-1] and " failed" not in result.stdout.splitlines()[-1]
 
 
-def test_the_bake_without_parts_shares_the_default_bakes_code_but_its_task_and_parts(tmp_path):
+def test_the_bake_without_parts_differs_from_the_default_bake_only_where_a_no_removes_code(tmp_path):
     """What lets the bake without parts skip some parts of its suite: every Python file both
-    bakes have, but the task's own, is the same code in both (docstrings and help texts
-    aside), and the tests' conftest differs only by lines naming a part's settings."""
+    bakes have, but the task's own and those a "no" cuts (PART_CODE, whose tests it runs),
+    is the same code in both (docstrings and help texts aside), and the tests' conftest
+    differs only by lines naming a part's settings."""
     default, without = bake(tmp_path / "default"), bake(tmp_path / "without", **BAKES["without parts"])
     task_files = {"model.py", "data.py", "tests/test_task.py", "tests/test_data.py", "tests/conftest.py"}
     shared = {name for name in files(without) & files(default) if name.endswith(".py")} - task_files
-    assert {"train.py", "evaluate.py", "predict.py", "engine/training.py", "tests/test_train.py"} <= shared
-    assert [name for name in sorted(shared) if code(default / name) != code(without / name)] == []
+    assert {"predict.py", "engine/preemption.py", "tests/test_train.py"} <= shared
+    differing = {name for name in shared if code(default / name) != code(without / name)}
+    assert differing <= PART_CODE, sorted(differing - PART_CODE)
+    lean_runs = {name for part in WITHOUT_PARTS_RUNS for name in SUITE_PARTS[part]}
+    assert {name.removeprefix("tests/") for name in PART_CODE if name.startswith("tests/test_")} <= lean_runs
     old, new = ((project / "tests" / "conftest.py").read_text().splitlines() for project in (default, without))
     removed = [line for line in old if line not in new]
     assert [line for line in new if line not in old] == [] and removed == [

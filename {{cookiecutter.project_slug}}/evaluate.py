@@ -29,10 +29,10 @@ from engine.host import set_host_allocator
 from engine.loader import build_val_loader
 from engine.logs import report_errors
 from engine.metrics import evaluate
-from engine.parallel import build_for_evaluation
-from engine.parts import build_parts
-from engine.preemption import leave_stop_signals_to_the_rank
-from model import BLOCKS, ModelConfig, build_metrics, build_model, validation_step
+{% if cookiecutter.fsdp %}from engine.parallel import build_for_evaluation
+{% endif %}{% if cookiecutter.fsdp %}from engine.parts import build_parts
+{% endif %}from engine.preemption import leave_stop_signals_to_the_rank
+from model import {{ 'BLOCKS, ' if cookiecutter.fsdp }}ModelConfig, build_metrics, build_model, validation_step
 from recipe import OptimConfig
 
 
@@ -40,7 +40,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--checkpoint", required=True, help="checkpoint: a .pt file{% if cookiecutter.fsdp %}, or a sharded checkpoint's folder{% endif %}")
     parser.add_argument("--config", default=None, help="YAML config (default: the checkpoint's)")
+{%- if cookiecutter.ema %}
     parser.add_argument("--weights", default="model", help="which weights: model (default), or a part's, e.g. ema")
+{%- endif %}
     parser.add_argument("overrides", nargs="*", metavar="section.key=value")
     return parser.parse_args(argv)
 
@@ -55,21 +57,29 @@ def main(argv=None) -> None:
     sections = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig}
     cfg = load_config(args.config, args.overrides, base=ckpt.get("config"), **sections)
     env, device = init_distributed_mode(cfg.dist)
+{%- if cookiecutter.fsdp %}
     parts = build_parts(cfg, env)  # the optional features the config turns on, as in train.py
     set_host_allocator(parts)  # as train.py does, before the model is built
+{%- else %}
+    set_host_allocator()  # as train.py does, before the model is built
+{%- endif %}
     try:
         prepare_on_node_leaders(prepare_data, cfg, env, device)  # one writer per node at a time
         with stop_all_if_any_fails(device):
             _, val_set = build_datasets(cfg)
+{%- if cookiecutter.fsdp %}
         # As in training: as a part builds it (sharded, no full copy on any device), else a replica.
         model = build_for_evaluation(lambda: build_model(cfg), cfg, env, device, BLOCKS, parts)
-        load_weights(model, Path(args.checkpoint), ckpt, part=args.weights)
+{%- else %}
+        model = build_model(cfg).to(device)
+{%- endif %}
+        load_weights(model, Path(args.checkpoint), ckpt{{ ', part=args.weights' if cookiecutter.ema }})
         # Its workers end with the `with`, before the process group does.
         hooks = {"collate_fn": getattr(data, "collate_fn", None), "worker_init_fn": leave_stop_signals_to_the_rank}
         with build_val_loader(val_set, cfg, env, device, **hooks) as val_loader:
             metrics = evaluate(model, val_loader, validation_step, build_metrics(cfg), device, cfg.train.precision)
         if is_main():
-            shown = {"checkpoint": args.checkpoint, "step": ckpt.get("step"), "weights": args.weights}
+            shown = {"checkpoint": args.checkpoint, "step": ckpt.get("step"){{ ', "weights": args.weights' if cookiecutter.ema }}}
             print(json.dumps({**shown, **metrics}), flush=True)
     finally:
         cleanup_distributed()

@@ -39,7 +39,7 @@ from engine.host import freeze_setup_objects, set_host_allocator
 from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
 from engine.logs import QuietLog, RunLog, hand_to_launcher, keep_output_in, log, report_errors
 from engine.metrics import evaluate
-from engine.parallel import build_and_wrap, memory_format, wrap_again
+from engine.parallel import build_and_wrap, memory_format{{ ', wrap_again' if cookiecutter.freezing }}
 from engine.parts import build_parts
 from engine.precision import build_grad_scaler, check_precision
 from engine.preemption import StopRequest, leave_stop_signals_to_the_rank
@@ -94,18 +94,25 @@ def main(argv=None) -> int:
         with start_run_log(cfg, env, state, loaders, provenance) as run_log:
             # A hang fails the run after dist.step_timeout_minutes once the first step is done.
             shorten_timeout_after_first_step(state.optimizer, cfg.dist.step_timeout_minutes, [stop.group])
+{%- if cookiecutter.memory_report or cookiecutter.profiler %}
             for part in state.parts:
                 part.start(state)
+{%- endif %}
 
             freeze_setup_objects()  # no full garbage collection pauses inside the steps
             # The losses since the last evaluation, the task's items (model.py's count_items), the MFU.
             stats = EpochStats(state.device, Throughput.of_run(cfg, state.device, getattr(task, "count_items", None)))
-            while not run_done(state, cfg) and not state.stop_reason():
+            while not run_done(state, cfg){{ ' and not state.stop_reason()' if cookiecutter.early_stopping }}:
                 if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
                     seed_everything(derive_seed(cfg.seed, env.rank, state.epoch))
                 rng_restored = False
+{%- if cookiecutter.freezing %}
                 if any([part.start_epoch(state) for part in state.parts]):  # e.g. parameters unfrozen
                     state.train_model = wrap_again(state.model, cfg, env, device)
+{%- else %}
+                for part in state.parts:
+                    part.start_epoch(state)
+{%- endif %}
                 if not train_one_epoch(state, loaders, cfg, stop, checkpointer, run_log, stats):
                     started = time.monotonic()  # the save's time: what a stop needs before a time limit
                     checkpointer.save(state)
@@ -117,8 +124,10 @@ def main(argv=None) -> int:
                     if stop.exit_code():  # a launcher's summary shows this line, not a failure
                         hand_to_launcher(stopped, stop.exit_code())
                     break
+{%- if cookiecutter.early_stopping %}
             if state.stop_reason():  # also when a resumed run had already stopped
                 run_log.log(state.stop_reason())
+{%- endif %}
     finally:
         gc.unfreeze()
         if lock is not None:
@@ -146,16 +155,27 @@ def load_train_objs(cfg, env, device, checkpointer: Checkpointer, parts: list, v
 
     seed_everything(cfg.seed)  # the same initial weights on every rank
 
+{%- if cookiecutter.freezing %}
+
     def build() -> nn.Module:
         model = build_model(cfg)
         for part in parts:
             model = part.prepare_model(model)  # e.g. freeze.params' parameters frozen
         return model
+{%- else %}
 
-    # SyncBatchNorm, device, DDP; or FSDP's sharding (no full copy on any device).
-    model, train_model = build_and_wrap(build, cfg, env, device, BLOCKS, parts)
+    def build() -> nn.Module:
+        return build_model(cfg)
+{%- endif %}
+
+    # SyncBatchNorm, device, DDP{{ "; or FSDP's sharding (no full copy on any device)" if cookiecutter.fsdp }}.
+    model, train_model = build_and_wrap(build, cfg, env, device, BLOCKS{{ ', parts' if cookiecutter.fsdp }})
+{%- if cookiecutter.freezing %}
     joins_later = {name: step for part in parts for name, step in part.joins_later(model, steps).items()}
     optimizer = recipe.build_optimizer(model, cfg, env.world_size, joins_later)
+{%- else %}
+    optimizer = recipe.build_optimizer(model, cfg, env.world_size)
+{%- endif %}
     scheduler = recipe.build_scheduler(optimizer, cfg, steps)
     scaler = build_grad_scaler(cfg.train.precision, device)
     guard = NonFiniteGuard(cfg.train, checkpointer.last_good, scheduler.base_lrs[0], device)
@@ -189,13 +209,18 @@ def start_run_log(cfg, env, state: TrainState, loaders, provenance: dict) -> Run
             train = "streamed" if stream else f"{len(train_loader.dataset)}"
             length = f"{cfg.train.max_steps} steps" if stream else f"{state.steps_per_epoch} steps/epoch"
             log(
-                f"training on {env.world_size} process(es), {state.device.type}, {state.wrapping}, "
+                f"training on {env.world_size} process(es), {state.device.type}, {{ '{state.wrapping}' if cookiecutter.fsdp else 'ddp' }}, "
                 f"{commit_line(provenance)}; {train} train / {len(val_loader.dataset)} val samples; "
                 f"effective batch {per_step}; {length}"
             )
             log(recipe.describe(cfg, env.world_size, state.steps_per_epoch))
+{%- if cookiecutter.tracking %}
             run_log = RunLog(cfg, per_step, state.step, state.parts)  # and the parts' records, e.g. trackers
+{%- else %}
+            run_log = RunLog(cfg, per_step, state.step)
+{%- endif %}
     return run_log
+{%- if cookiecutter.ema %}
 
 
 def evaluate_weights(state: TrainState, val_loader, cfg, max_batches=None, stop: StopRequest | None = None):
@@ -215,8 +240,19 @@ def evaluate_weights(state: TrainState, val_loader, cfg, max_batches=None, stop:
 
 
 def evaluate_model(state: TrainState, val_loader, cfg, max_batches, stop: StopRequest | None):
+{%- else %}
+
+
+def evaluate_weights(state: TrainState, val_loader, cfg, max_batches=None, stop: StopRequest | None = None):
+    """The model's validation metrics; None if a stop came during an evaluation. Every
+    rank must call this."""
+{%- endif %}
+{%- if cookiecutter.fsdp %}
     if state.wrapping == "ddp":
         broadcast_buffers(state.model)  # evaluate and save rank 0's BatchNorm statistics
+{%- else %}
+    broadcast_buffers(state.model)  # evaluate and save rank 0's BatchNorm statistics
+{%- endif %}
     metrics = build_metrics(cfg)
     during = stop.during_evaluation() if stop is not None else None
     return evaluate(
@@ -246,7 +282,7 @@ def train_one_epoch(state: TrainState, loaders, cfg, stop: StopRequest, checkpoi
     if evaluation_due(state, cfg) and state.evaluated_step != state.step:  # a stop came during it
         if not evaluate_and_save(state, val_loader, cfg, stop, checkpointer, run_log, stats):
             return False
-        if run_done(state, cfg) or state.stop_reason():
+        if run_done(state, cfg){{ ' or state.stop_reason()' if cookiecutter.early_stopping }}:
             return True
     train_loader.set_epoch(state.epoch, start_batch=state.batches_done)
     total = state.steps_per_epoch  # None for a stream
@@ -272,7 +308,7 @@ def train_one_epoch(state: TrainState, loaders, cfg, stop: StopRequest, checkpoi
                 continue
             if not evaluate_and_save(state, val_loader, cfg, stop, checkpointer, run_log, stats):
                 return False
-            if run_done(state, cfg) or state.stop_reason():
+            if run_done(state, cfg){{ ' or state.stop_reason()' if cookiecutter.early_stopping }}:
                 return True
             state.train_model.train()
     finally:
@@ -298,8 +334,10 @@ def evaluate_and_save(state, val_loader, cfg, stop, checkpointer, run_log, stats
         run_log.log(f"the evaluation {which} stopped; the next run evaluates it again")
         return False
     row = {"epoch": state.epoch, "step": state.step, **train_metrics, **val_metrics}
+{%- if cookiecutter.memory_report %}
     for part in state.parts:
         row |= part.epoch_figures(state)  # e.g. every rank's memory
+{%- endif %}
     # outside_train_s: the evaluation's time, and the parts' (e.g. the memory report's).
     row |= {"lr": state.scheduler.get_last_lr()[0], "outside_train_s": time.perf_counter() - start}
     # The row before the checkpoint: if the save fails, the next run trains again from the

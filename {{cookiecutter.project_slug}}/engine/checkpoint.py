@@ -4,9 +4,9 @@ Layout under <output_dir>/checkpoints/:
   step-00001234.pt   one file per save, written by rank 0
   last.pt            the newest complete checkpoint (what `resume=auto` continues from)
   best.pt            the epoch with the best checkpoint.best_metric so far
-The newest `checkpoint.keep_last` step checkpoints are kept. A part that shards the
+The newest `checkpoint.keep_last` step checkpoints are kept.{% if cookiecutter.fsdp %} A part that shards the
 model may save folders of every rank's shards instead (step-00001234.dcp/, its module
-says how); last.pt and best.pt are then relative links to them, which pruning spares.
+says how); last.pt and best.pt are then relative links to them, which pruning spares.{% endif %}
 
 last.pt and best.pt are hard links (copies where the file system has none): best.pt
 outlives the pruning of its step file. Every command that takes a checkpoint (resume,
@@ -46,8 +46,8 @@ from engine.distributed import DistEnv, all_gather_objects, gather_objects_on_ma
 from engine.errors import CheckpointError, UsageError
 from engine.files import atomic_write, fsync_dir
 from engine.logs import log
-from engine.parts import modules
-from engine.seeding import capture_rng_state, restore_rng_state
+{% if cookiecutter.fsdp %}from engine.parts import modules
+{% endif %}from engine.seeding import capture_rng_state, restore_rng_state
 
 # step-00001234.pt, step-00001234.dcp, and a folder saved again at its step, step-00001234.1.dcp
 STEP_FILE = re.compile(r"^step-(\d+)(?:\.(\d+))?\.(pt|dcp)$")
@@ -198,7 +198,15 @@ def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
     shard by shard."""
     path = Path(path)
     if path.is_dir():
+{%- if cookiecutter.fsdp %}
         return folders(path).read_checkpoint(path, tensors)
+{%- else %}
+        raise UnusableCheckpoint(
+            f"checkpoint {str(path)!r} is a folder, and this project reads .pt files only (folders of shards "
+            "come with the fsdp answer when it is generated)",
+            "use a .pt checkpoint",
+        )
+{%- endif %}
     state = load_plain(path)
     check_contents(path, state, tensors_inside=True)
     return state
@@ -226,6 +234,7 @@ def check_contents(path: Path, state: dict, tensors_inside: bool) -> None:
     if tensors_inside:
         if "model" not in state:
             raise not_ours(path, "no 'model'")
+{%- if cookiecutter.ema %}
         for key in weight_sets(state):
             check_weights(path, key, state.get(key, {}))
 
@@ -233,6 +242,9 @@ def check_contents(path: Path, state: dict, tensors_inside: bool) -> None:
 def weight_sets(state: dict) -> list[str]:
     """The sets of model weights a checkpoint holds: "model" and its parts' (e.g. "ema")."""
     return ["model", *state.get("weight_sets", ["ema"] if "ema" in state else [])]
+{%- else %}
+        check_weights(path, "model", state["model"])
+{%- endif %}
 
 
 def check_weights(path: Path, key: str, weights) -> None:
@@ -255,6 +267,7 @@ def not_ours(path: Path, detail: str) -> UnusableCheckpoint:
 
 
 def load_model_state(path: str | Path) -> tuple[dict, dict]:
+{%- if cookiecutter.fsdp %}
     """A checkpoint's model weights, whole, on the CPU, without wrapper prefixes, and the
     config that built them (for export). A file is read once; a folder's optimizer state
     is not read."""
@@ -262,8 +275,15 @@ def load_model_state(path: str | Path) -> tuple[dict, dict]:
     if path.is_dir():
         config = load_checkpoint(path, tensors=False)["config"]
         return strip_prefixes(folders(path).read_model_weights(path)), config
+{%- else %}
+    """A checkpoint's model weights, whole, on the CPU, without wrapper prefixes, and the
+    config that built them (for export)."""
+{%- endif %}
     ckpt = load_checkpoint(path)
     return strip_prefixes(ckpt["model"]), ckpt["config"]
+
+
+{%- if cookiecutter.fsdp %}
 
 
 def folders(path: Path):
@@ -277,6 +297,7 @@ def folders(path: Path):
             "use a .pt checkpoint",
         )
     return found
+{%- endif %}
 
 
 def load_plain(path: Path) -> dict:
@@ -396,8 +417,9 @@ def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) ->
     """Copy weights into `model`, naming the first mismatch if the architectures differ."""
     weights = strip_prefixes(state_dict)
     check_shapes(model, weights, source)
-    # Full tensors into a plain, DDP or FSDP (sharded) model alike.
+    # Full tensors into a plain{{ ", DDP or FSDP (sharded)" if cookiecutter.fsdp else " or DDP" }} model alike.
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+{%- if cookiecutter.fsdp %}
 
 
 def load_weights(model: torch.nn.Module, path: Path, ckpt: dict, optimizer=None, part: str = "model") -> None:
@@ -417,6 +439,28 @@ def load_weights(model: torch.nn.Module, path: Path, ckpt: dict, optimizer=None,
 def has_part(path: Path, ckpt: dict, part: str) -> bool:
     """Whether a checkpoint file, or a folder's metadata, holds `part`."""
     return part in ckpt if "model" in ckpt else folders(path).holds(path, part)
+{%- elif cookiecutter.ema %}
+
+
+def load_weights(model: torch.nn.Module, path: Path, ckpt: dict, part: str = "model") -> None:
+    """A checkpoint's model weights into a plain or DDP model; part="ema": a part's set of
+    weights instead (the optimizer state is loaded by TrainState.load_state_dict)."""
+    if not has_part(path, ckpt, part):
+        raise CheckpointError(f"{path} has no {part!r} weights (that part was off when it was saved)")
+    load_model_weights(model, ckpt[part], str(path))
+
+
+def has_part(path: Path, ckpt: dict, part: str) -> bool:
+    return part in ckpt
+{%- else %}
+
+
+def load_weights(model: torch.nn.Module, path: Path, ckpt: dict) -> None:
+    """A checkpoint's model weights into a plain or DDP model (the optimizer state is
+    loaded by TrainState.load_state_dict)."""
+    load_model_weights(model, ckpt["model"], str(path))
+{%- endif %}
+{%- if cookiecutter.ema %}
 
 
 def load_part_weights(part, model: torch.nn.Module, path: Path, ckpt: dict) -> None:
@@ -429,6 +473,7 @@ def load_part_weights(part, model: torch.nn.Module, path: Path, ckpt: dict) -> N
         return
     with part.swapped_into_model():  # loaded as the model's own weights are
         load_weights(model, path, ckpt, part=part.name)
+{%- endif %}
 
 
 # Floating-point weights of these dtypes load into a model of any of them, converted (a
@@ -438,9 +483,13 @@ FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 def check_shapes(model: torch.nn.Module, saved: dict, source: str) -> None:
     """The one check of weights before they load: name the first weight that is missing,
+{%- if cookiecutter.fsdp %}
     extra, shaped differently, or of a dtype the model's does not take (FSDP's sharded
     parameters report their full shape). `saved`: the weights, or a folder's as empty
     tensors on the meta device (from its metadata)."""
+{%- else %}
+    extra, shaped differently, or of a dtype the model's does not take."""
+{%- endif %}
     expected = model.state_dict()
     for key, value in expected.items():
         if key not in saved:
@@ -494,9 +543,11 @@ class Checkpointer:
         }
         keep_last = self.cfg.checkpoint.keep_last
         try:
+{%- if cookiecutter.fsdp %}
             if any(part.saves_sharded for part in state.parts):  # folders on any number of processes: one kind per run
                 folders(self.directory).save_folder(self, state, {**state.run_state_dict(), **run}, is_best)
                 return
+{%- endif %}
             payload = {**state.state_dict(), **run}
             with stop_all_if_any_fails(self.device):
                 if is_main():
@@ -554,21 +605,27 @@ class Checkpointer:
                 with stop_all_if_any_fails(self.device):  # unreadable on some node: every rank stops
                     ckpt = load_checkpoint(init_from, tensors=False)
                 load_weights(state.model, Path(init_from), ckpt)
+{%- if cookiecutter.ema %}
                 for part in state.parts:
                     part.reset_weights()  # e.g. an average of the weights fine-tuning starts from
+{%- endif %}
                 if is_main():
                     log(f"initialised model weights from {init_from} (fine-tuning)")
             return False
         path, ckpt = found
         refuse_changed_settings(path, ckpt["config"], self.cfg)
+{%- if cookiecutter.freezing %}
         # An epoch's end counts as that epoch (e.g. for which parameters were frozen).
         trained_epoch = ckpt["epoch"] - 1 if ckpt["batches_done"] == 0 and ckpt["epoch"] > 0 else ckpt["epoch"]
         for part in state.parts:
             part.before_load(state, trained_epoch)
-        load_weights(state.model, path, ckpt, state.optimizer)
+{%- endif %}
+        load_weights(state.model, path, ckpt{{ ', state.optimizer' if cookiecutter.fsdp }})
+{%- if cookiecutter.ema %}
         for part in state.parts:
             if part.holds_weights:
                 load_part_weights(part, state.model, path, ckpt)
+{%- endif %}
         run_lr = state.scheduler.base_lrs[0]  # this run's, before the checkpoint's replaces it
         state.load_state_dict(ckpt)
         if is_main():
@@ -690,16 +747,18 @@ def newest_usable(paths: list[Path], directory: Path) -> tuple[Path, dict] | Non
 def config_changes(saved: dict, cfg: Config) -> list[str]:
     """'section.key: old -> new' for each setting that changes what the weights mean: the
     seed and the task's data and model sections, but for the keys each section lists in
-    `may_change_on_resume` (e.g. where the files are, how they are augmented); and the
-    sections that say `fixed_on_resume` (e.g. freeze, which shapes the optimizer).
+    `may_change_on_resume` (e.g. where the files are, how they are augmented){% if cookiecutter.freezing %}; and the
+    sections that say `fixed_on_resume` (e.g. freeze, which shapes the optimizer){% endif %}.
 
     The schema may have grown since the checkpoint: a key it lacks counts as its default
     (the default keeps the old behaviour), and one the schema no longer has is ignored.
     Keys set in both come first, in schema order: what the user changed, before the keys
     new since the checkpoint."""
+{%- if cookiecutter.freezing %}
     fixed = [name for name, section in cfg.sections.items() if getattr(section, "fixed_on_resume", False)]
+{%- endif %}
     changes = section_changes("", saved, cfg, only=("seed",))
-    for name in ("data", "model", *fixed):
+    for name in ("data", "model"{{ ", *fixed" if cookiecutter.freezing }}):
         changes += section_changes(f"{name}.", saved.get(name) or {}, getattr(cfg, name))
     return [str(change) for change in sorted(changes, key=lambda change: change.new_key)]  # stable: schema order
 

@@ -3,7 +3,7 @@
 The schema is made of sections, each a dataclass. `data` (DataConfig in data.py),
 `model` (ModelConfig in model.py) and `optim` (OptimConfig in recipe.py) are the
 project's; `train`, `checkpoint` and `dist` below belong to the machinery,
-and each optional part has its own (`ema`, `freeze`...: engine/parts). config.yaml holds
+and each optional part has its own (in engine/parts). config.yaml holds
 only what a project sets differently from these defaults; `python train.py --print-config`
 shows every key with its value and meaning, and each run saves that in
 output_dir/config.yaml.
@@ -220,28 +220,40 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, base: dic
         raise ConfigError(unknown_key_message(error, all_keys(Config, sections))) from None
 
 
-# Keys that moved (old: new), for a config written before: train.* went to optim: and to
-# the parts' sections when those came (train.strategy=fsdp is fsdp.enabled=true now).
+# Keys that moved (old: new), for a config written before: train.* went to optim:{% if cookiecutter.ema or cookiecutter.early_stopping or cookiecutter.freezing or cookiecutter.profiler or cookiecutter.tracking or cookiecutter.fsdp %} and to
+# the parts' sections when those came{% if cookiecutter.fsdp %} (train.strategy=fsdp is fsdp.enabled=true now){% endif %}{% endif %}.
 MOVED_KEYS = {
     **{f"train.{key}": f"optim.{key}" for key in ("lr", "momentum", "weight_decay", "scale_lr", "reference_batch")},
     **{f"train.{key}": f"optim.{key}" for key in ("schedule", "warmup_epochs", "step_every_epochs", "step_gamma")},
     "train.optimizer": "optim.name",
     "train.warmup_steps": "optim.warmup_steps",
+{%- if cookiecutter.ema %}
     "train.ema_decay": "ema.decay",
     "train.ema_start_step": "ema.start_step",
+{%- endif %}
+{%- if cookiecutter.early_stopping %}
     "train.early_stopping_patience": "early_stopping.patience",
     "train.early_stopping_min_delta": "early_stopping.min_delta",
+{%- endif %}
+{%- if cookiecutter.freezing %}
     "train.freeze": "freeze.params",
     "train.freeze_epochs": "freeze.epochs",
+{%- endif %}
+{%- if cookiecutter.profiler %}
     "train.profile_steps": "profiler.steps",
     "train.profile_start_step": "profiler.start_step",
     "train.profile_all_ranks": "profiler.all_ranks",
+{%- endif %}
+{%- if cookiecutter.tracking %}
     "train.tensorboard": "tracking.tensorboard",
+{%- endif %}
+{%- if cookiecutter.fsdp %}
     "train.strategy": "fsdp.enabled",
     "train.fsdp_cpu_offload": "fsdp.cpu_offload",
+{%- endif %}
 }
 # Moved keys whose values changed too: how to write the new one.
-NEW_VALUES = {"train.strategy": "set fsdp.enabled=true for strategy fsdp, false for ddp"}
+NEW_VALUES = {{ '{"train.strategy": "set fsdp.enabled=true for strategy fsdp, false for ddp"}' if cookiecutter.fsdp else '{}' }}
 
 
 def unknown_key_message(error: "UnknownKey", known: list[str]) -> str:

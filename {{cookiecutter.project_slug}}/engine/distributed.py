@@ -199,8 +199,8 @@ def first_host(nodelist: str) -> str:
 
 
 def select_backend(requested: str, cuda_available: bool) -> str:
-    """NCCL for GPU tensors, with gloo beside it for the few CPU tensors that travel
-    (e.g. FSDP CPU offload's gradient norms); gloo alone without GPUs."""
+    """NCCL for GPU tensors, with gloo beside it for the few CPU tensors that travel;
+    gloo alone without GPUs."""
     if requested == "nccl" and not cuda_available:
         raise ConfigError("dist.backend=nccl needs CUDA GPUs; use dist.backend=gloo or auto")
     if requested == "auto":

@@ -2,8 +2,8 @@
 good checkpoint intact, instead of training on and saving non-finite weights as progress.
 
 Every optimizer step keeps its gradient norm, a tensor on the device: nothing waits for
-it and the guard adds no op to the step (under FSDP the norm's shards are still summed
-at every step, on every rank alike). Every FOLD_EVERY steps, and at each check, the
+it and the guard adds no op to the step{% if cookiecutter.fsdp %} (under FSDP the norm's shards are still summed
+at every step, on every rank alike){% endif %}. Every FOLD_EVERY steps, and at each check, the
 kept norms are reduced on the device to the first non-finite step. Every
 train.log_every_steps steps, `check_later` starts copying that to the host and reads the
 copy it started the time before: no wait for the device (on a GPU, draining its queue
@@ -20,8 +20,8 @@ no scale makes the gradients finite.
 from collections.abc import Callable
 
 import torch
-from torch.distributed.tensor import DTensor
-
+{% if cookiecutter.fsdp %}from torch.distributed.tensor import DTensor
+{% endif %}
 from engine.config import TrainConfig
 from engine.distributed import all_reduce_max_
 from engine.errors import DivergedError
@@ -43,8 +43,10 @@ class NonFiniteGuard:
     def skip_step(self, grad_norm: torch.Tensor, step: int) -> bool:
         """Record step `step`'s gradient norm; whether to skip its update. Skipping needs
         the norm on the host at every step, so it is on only with train.max_bad_steps > 0."""
+{%- if cookiecutter.fsdp %}
         if isinstance(grad_norm, DTensor):  # FSDP: the norm over every shard
             grad_norm = grad_norm.full_tensor()
+{%- endif %}
         if self.max_bad_steps == 0:
             self.keep(grad_norm, step)
             return False

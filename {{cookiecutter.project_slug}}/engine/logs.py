@@ -1,5 +1,5 @@
-"""What the run tells people: console lines, progress, metrics.jsonl, and the parts that
-record the run's figures (e.g. trackers).
+"""What the run tells people: console lines, progress, metrics.jsonl{% if cookiecutter.tracking %}, and the parts that
+record the run's figures (e.g. trackers){% endif %}.
 
 Rank 0 reports: it holds the RunLog, and every other rank a QuietLog with the same
 methods doing nothing, so the loop reads the same on every rank. One-off lines elsewhere
@@ -76,9 +76,9 @@ class AlsoTo:
 
 
 class Progress:
-    """Rank 0's progress for one epoch: a tqdm bar on a terminal, plain lines otherwise,
-    and the step curves for the parts that record them. The loss is read (a host-device sync) only every
-    `train.log_every_steps` steps."""
+    """Rank 0's progress for one epoch: a tqdm bar on a terminal, plain lines otherwise{% if cookiecutter.tracking %},
+    and the step curves for the parts that record them{% endif %}. The loss is read (a host-device
+    sync) only every `train.log_every_steps` steps."""
 
     def __init__(self, run_log: "RunLog", epoch: int, total_steps: int, done_steps: int):
         self.run_log, self.epoch = run_log, epoch
@@ -105,7 +105,9 @@ class Progress:
                 f"epoch {self.epoch} step {step} loss {loss:.4f} lr {lr:.4g} samples/s {samples_per_s:.0f}",
                 flush=True,
             )
+{%- if cookiecutter.tracking %}
         self.run_log.add_scalars(step, {"train/loss": loss, "train/lr": lr, "train/samples_per_s": samples_per_s})
+{%- endif %}
 
     def close(self) -> None:
         if self.bar is not None:
@@ -113,22 +115,29 @@ class Progress:
 
 
 class RunLog:
+{%- if cookiecutter.tracking %}
     """Rank 0's record of the run: one JSON line per epoch in metrics.jsonl (a resumed run
     appends), the same figures to each part that records them (e.g. TensorBoard, W&B,
     MLflow: engine/parts/tracking.py), and a console line. Use it as a context manager:
     leaving it closes the parts' records, marked failed if an error is on its way.
+{%- else %}
+    """Rank 0's record of the run: one JSON line per epoch in metrics.jsonl (a resumed run
+    appends), and a console line.
+{%- endif %}
 
     `samples_per_step` is the effective batch (batch_size x processes x accum_steps).
     """
 
-    def __init__(self, cfg, samples_per_step: int, start_step: int, parts: list):
+    def __init__(self, cfg, samples_per_step: int, start_step: int{{ ', parts: list' if cookiecutter.tracking }}):
         self.every, self.samples_per_step = cfg.train.log_every_steps, samples_per_step
         self.metrics_path = Path(cfg.output_dir) / "metrics.jsonl"
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         rewind_metrics(self.metrics_path, start_step)
+{%- if cookiecutter.tracking %}
         self.parts = parts
         for part in parts:
             part.open_log(start_step)
+{%- endif %}
 
     def progress(self, epoch: int, total_steps: int, done_steps: int) -> Progress:
         return Progress(self, epoch, total_steps, done_steps)
@@ -136,22 +145,31 @@ class RunLog:
     def log(self, message: str) -> None:
         log(message)
 
+{%- if cookiecutter.tracking %}
+
     def add_scalars(self, step: int, scalars: dict) -> None:
         for part in self.parts:
             part.log_scalars(step, scalars)
+{%- endif %}
 
     def write_epoch(self, metrics: dict) -> None:
         append_json_line(self.metrics_path, metrics)
+{%- if cookiecutter.tracking %}
         for part in self.parts:
             part.log_epoch(metrics)
+{%- endif %}
         log(format_epoch(metrics))
 
     def __enter__(self) -> "RunLog":
         return self
 
     def __exit__(self, error_type, error, traceback) -> None:
+{%- if cookiecutter.tracking %}
         for part in self.parts:
             part.close_log(failed=error_type is not None)
+{%- else %}
+        pass
+{%- endif %}
 
 
 def rewind_metrics(path: Path, start_step: int) -> None:

@@ -22,14 +22,14 @@ metric's result appears as `val_<name>`; a metric whose `compute` returns a dict
 appears as `val_<key>` for each of its keys.
 """
 
-import copy
-from collections.abc import Callable
+{% if cookiecutter.fsdp %}import copy
+{% endif %}from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
-
+{% if cookiecutter.fsdp %}from torch.distributed.fsdp import FSDPModule
+{% endif %}
 from engine.distributed import (
     all_reduce_sum,
     broadcast_from_main,
@@ -236,20 +236,26 @@ def evaluate(
     None if `stop(batch_round)` (StopRequest.during_evaluation) said so after some round.
 
     Pass the unwrapped model: DDP's forward may broadcast buffers, a collective that
-    would hang when ranks hold different numbers of batches. An FSDP model's forward is a
+    would hang when ranks hold different numbers of batches.{% if cookiecutter.fsdp %} An FSDP model's forward is a
     collective itself, so there every rank runs as many forwards as rank 0 (the busiest),
-    the extra ones on the set's first sample, into metrics that are thrown away.
+    the extra ones on the set's first sample, into metrics that are thrown away.{% endif %}
     """
     metrics = check_metrics(metrics)
     plan = loader.batch_sampler
+{%- if cookiecutter.fsdp %}
     spare_metrics = copy.deepcopy(metrics)  # still empty: the FSDP padding's throwaway
+{%- endif %}
     num_batches = plan.num_batches if max_batches is None else min(plan.num_batches, max_batches * plan.world_size)
     mine = plan.mine(num_batches)
     every_rank_has = num_batches // plan.world_size  # rounds at which a stop can be agreed
     stopped = False
     model.eval()
+{%- if cookiecutter.fsdp %}
     # A failing validation_step stops every rank, none is left waiting (under FSDP only
     # if it fails on every rank alike: the others wait in a forward's all-gather).
+{%- else %}
+    # A failing validation_step stops every rank, none is left waiting.
+{%- endif %}
     with stop_all_if_any_fails(device):
         for batch_round, (batch_id, batch) in enumerate(zip(mine, loader, strict=False)):  # a sanity check stops early
             with autocast(precision, device):
@@ -259,11 +265,13 @@ def evaluate(
             if stop is not None and batch_round < every_rank_has and stop(batch_round):
                 stopped = True  # every rank, after the same round
                 break
+{%- if cookiecutter.fsdp %}
         if isinstance(model, FSDPModule) and not stopped:
             spare_batch = move_to_device(loader.collate_fn([loader.dataset[0]]), device)
             for _ in range(plan.most_per_rank(num_batches) - len(mine)):
                 with autocast(precision, device):
                     validation_step(model, spare_batch, spare_metrics)
+{%- endif %}
     return None if stopped else compute_metrics(metrics, plan, num_batches, device)
 
 

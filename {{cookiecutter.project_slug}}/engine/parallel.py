@@ -1,6 +1,6 @@
 """How the model is spread over processes: SyncBatchNorm, activation checkpointing, and
-DDP (a full replica per process), unless a part builds and wraps it another way (FSDP:
-engine/parts/fsdp.py)."""
+DDP (a full replica per process){{ ", unless a part builds and wraps it another way (FSDP:
+engine/parts/fsdp.py)" if cookiecutter.fsdp }}."""
 
 import functools
 from collections.abc import Callable
@@ -22,6 +22,7 @@ def use_sync_batchnorm(requested: bool, device: torch.device, world_size: int) -
 
 def has_batchnorm(model: nn.Module) -> bool:
     return any(isinstance(m, nn.modules.batchnorm._BatchNorm) for m in model.modules())
+{%- if cookiecutter.fsdp %}
 
 
 def build_and_wrap(build: Callable[[], nn.Module], cfg: Config, env: DistEnv, device: torch.device, blocks, parts):
@@ -44,6 +45,14 @@ def build_for_evaluation(
         if built is not None:
             return built
     return build().to(device)
+{%- else %}
+
+
+def build_and_wrap(build: Callable[[], nn.Module], cfg: Config, env: DistEnv, device: torch.device, blocks):
+    """The model from `build()` (the task's build_model), ready to train, as (model,
+    train_model): see wrap_model."""
+    return wrap_model(build(), cfg, env, device, blocks)
+{%- endif %}
 
 
 def wrap_model(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device, blocks: tuple[type, ...]):
@@ -82,11 +91,15 @@ def maybe_compile(model: nn.Module, enabled: bool) -> nn.Module:
     return torch.compile(model) if enabled else model
 
 
+{%- if cookiecutter.freezing %}
+
+
 def wrap_again(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device) -> nn.Module:
     """A new DDP wrapper (compiled, with train.compile) for a model whose trainable
     parameters changed: DDP fixes at construction which ones it all-reduces. The old
     wrapper, once dropped, takes its gradient hooks with it."""
     return maybe_compile(wrap_ddp(model, cfg, env, device), cfg.train.compile)
+{%- endif %}
 
 
 def wrap_ddp(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device) -> nn.Module:

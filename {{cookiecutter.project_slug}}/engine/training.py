@@ -18,11 +18,11 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.tensor import DTensor
-from torch.nn.parallel import DistributedDataParallel as DDP
+{% if cookiecutter.fsdp %}from torch.distributed.tensor import DTensor
+{% endif %}from torch.nn.parallel import DistributedDataParallel as DDP
 
 from engine.config import TrainConfig
-from engine.distributed import all_reduce_sum, is_main
+from engine.distributed import all_reduce_sum{{ ', is_main' if cookiecutter.ema }}
 from engine.divergence import NonFiniteGuard
 from engine.errors import TaskError, UsageError
 from engine.parts import Part
@@ -71,15 +71,23 @@ class TrainState:
         self.states[name] = obj
         if isinstance(obj, Part):
             self.parts.append(obj)
+{%- if cookiecutter.ema %}
             obj.setup(self)
+{%- endif %}
 
     def state_dict(self) -> dict:
+{%- if cookiecutter.fsdp %}
         """Plain full tensors on the CPU, the same for DDP and FSDP (so either resumes the
         other). Every rank must call this: under FSDP it gathers the shards."""
+{%- else %}
+        """Plain full tensors on the CPU. Every rank must call this."""
+{%- endif %}
         return {
             "model": get_model_state_dict(self.model, options=FULL_ON_CPU),
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=FULL_ON_CPU),
+{%- if cookiecutter.ema %}
             **{part.name: full_on_main(part.weights()) for part in self.parts if part.holds_weights},
+{%- endif %}
             **self.run_state_dict(),
         }
 
@@ -96,7 +104,9 @@ class TrainState:
             "evaluated_step": self.evaluated_step,
             "skipped_steps": self.guard.skipped_steps,
             "states": {name: state for name, state in states.items() if state is not None},
+{%- if cookiecutter.ema %}
             "weight_sets": [part.name for part in self.parts if part.holds_weights],
+{%- endif %}
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -118,14 +128,19 @@ class TrainState:
             if isinstance(found, dict):  # else new since the checkpoint: it starts afresh
                 obj.load_state_dict(found)
 
+{%- if cookiecutter.fsdp %}
+
     @property
     def wrapping(self) -> str:
         """ddp, or the part that builds and wraps the model (fsdp)."""
         return next((part.name for part in self.parts if part.saves_sharded), "ddp")
+{%- endif %}
+{%- if cookiecutter.early_stopping %}
 
     def stop_reason(self) -> str | None:
         """Why the run ends before its last epoch (a part's, e.g. early stopping), if it does."""
         return next((reason for part in self.parts if (reason := part.stop_reason(self))), None)
+{%- endif %}
 
     def start_micro_batch(self) -> None:
         self.batches_done += 1
@@ -215,15 +230,18 @@ def check_loss(what: str, loss) -> None:
 
 def gradient_sync(model: nn.Module, enabled: bool):
     """Gradients are averaged across ranks in backward; skip that on micro-batches that
-    only accumulate (DDP's no_sync, FSDP's requires_gradient_sync)."""
+    only accumulate (DDP's no_sync{{ ", FSDP's requires_gradient_sync" if cookiecutter.fsdp }})."""
     if enabled:
         return contextlib.nullcontext()
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     if isinstance(model, DDP):
         return model.no_sync()
+{%- if cookiecutter.fsdp %}
     if hasattr(model, "set_requires_gradient_sync"):  # FSDP's
         return no_gradient_sync(model)
+{%- endif %}
     return contextlib.nullcontext()
+{%- if cookiecutter.fsdp %}
 
 
 @contextlib.contextmanager
@@ -233,6 +251,7 @@ def no_gradient_sync(model: nn.Module):
         yield
     finally:
         model.set_requires_gradient_sync(True)
+{%- endif %}
 
 
 def optimizer_step(state: TrainState, train: TrainConfig) -> None:
@@ -254,13 +273,19 @@ def optimizer_step(state: TrainState, train: TrainConfig) -> None:
     state.step_done()
     for part in state.parts:
         part.after_step(state)
+{%- if cookiecutter.ema %}
 
 
 def full_on_main(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Whole tensors on the CPU, on rank 0 ({} elsewhere, as for the model's). Every rank
     must call this: under FSDP it gathers."""
+{%- if cookiecutter.fsdp %}
     whole = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in tensors.items()}
+{%- else %}
+    whole = tensors
+{%- endif %}
     return {name: t.detach().cpu() for name, t in whole.items()} if is_main() else {}
+{%- endif %}
 
 
 class EpochStats:

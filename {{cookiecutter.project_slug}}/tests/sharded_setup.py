@@ -80,7 +80,7 @@ def main(out: Path, overrides: list[str], deep_mlp: bool) -> None:
     del weights
     set_host_allocator(parts)  # as train.py does
     peaks.end()  # the weights gathered for the test
-    optimizer = build_optimizer(model, cfg, env.world_size, {})
+    optimizer = build_optimizer(model, cfg, env.world_size{{ ', {}' if cookiecutter.freezing }})
     for _ in range(2):
         train_model(torch.randn(4, 3, cfg.data.image_size, cfg.data.image_size)).sum().backward()
         optimizer.step()

@@ -41,7 +41,7 @@ def make_state(seed=0):
     torch.manual_seed(seed)
     model = MLP(12, 8, 3)
     cfg = reference_config(None, ["optim.name=adamw"])
-    optimizer = RECIPE.build_optimizer(model, cfg, 1, {})
+    optimizer = RECIPE.build_optimizer(model, cfg, 1{{ ', {}' if cookiecutter.freezing }})
     model(torch.randn(4, 12)).sum().backward()
     optimizer.step()  # creates optimizer state tensors
     scheduler = RECIPE.build_scheduler(optimizer, cfg, steps_per_epoch=10)

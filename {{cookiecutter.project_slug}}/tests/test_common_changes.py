@@ -38,7 +38,7 @@ class SignMomentum(torch.optim.Optimizer):
                 p.add_(state["velocity"].sign(), alpha=-group["lr"])
 
 
-def build_optimizer(model, cfg, world_size, joins_later):
+def build_optimizer(model, cfg, world_size{{ ", joins_later" if cookiecutter.freezing }}):
     return SignMomentum([p for p in model.parameters() if p.requires_grad], lr=0.01)
 
 

@@ -2,66 +2,84 @@
 
 A part module defines `build(cfg, env)`, which returns the part, or None when its settings
 leave it off, and, if the part has settings, `Section`, the dataclass of its config section
-(named like the module: `ema:` in config.yaml for ema.py). The run finds the modules present; a project
+(named like the module: `my_part:` in config.yaml for my_part.py). The run finds the modules present; a project
 generated without a feature has no module for it, and so no section, key or hook.
 
 The core calls a part only through the hooks of `Part` below, each a no-op by default.
 """
 
-import contextlib
-import importlib
+{% if cookiecutter.ema %}import contextlib
+{% endif %}import importlib
 import pkgutil
 from types import ModuleType
+{%- if cookiecutter.fsdp or cookiecutter.freezing %}
 
 import torch.nn as nn
+{%- endif %}
 
 
 class Part:
     """An optional feature plugged into the run. Override the hooks it needs."""
 
     name = ""  # its config section, and its entry in checkpoints
+{%- if cookiecutter.fsdp %}
     shards_model = False  # the model's tensors are split across processes (FSDP)
     saves_sharded = False  # checkpoints are folders of every rank's shards
     host_allocator: dict[int, int] = {}  # glibc mallopt() settings the steps need instead of engine/host.py's
-
-    # Set-up
-    def prepare_model(self, model: nn.Module) -> nn.Module:
-        """The model as built by the task, before it is moved and wrapped."""
-        return model
 
     def build_model(self, build, cfg, env, device, blocks) -> nn.Module | None:
         """The model from `build()`, placed and wrapped by the part (FSDP shards it), or
         None: built, moved and wrapped in DDP by the core."""
         return None
+{%- endif %}
+{%- if cookiecutter.freezing %}
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """The model as built by the task, before it is moved and wrapped."""
+        return model
 
     def joins_later(self, model: nn.Module, steps_per_epoch: int | None) -> dict[str, int]:
         """Parameters frozen now that are trained from a later step: {name: step} (recipe.py)."""
         return {}
 
+    def before_load(self, state, trained_epoch: int) -> None:
+        """Before a checkpoint written in `trained_epoch` is loaded into the model."""
+{%- endif %}
+{%- if cookiecutter.ema %}
+
     def setup(self, state) -> None:
         """Once the run's TrainState is built (`state`), before the resume."""
+{%- endif %}
+{%- if cookiecutter.memory_report or cookiecutter.profiler %}
 
     def start(self, state) -> None:
         """After the resume, before the first step."""
+{%- endif %}
 
-    # Training
-    def start_epoch(self, state) -> bool:
-        """At each epoch's start; True if the model must be wrapped again."""
+    def start_epoch(self, state) -> {{ "bool" if cookiecutter.freezing else "None" }}:
+        """At each epoch's start{{ "; True if the model must be wrapped again" if cookiecutter.freezing }}."""
+{%- if cookiecutter.freezing %}
         return False
+{%- endif %}
 
     def after_step(self, state) -> None:
         """After each optimizer step."""
 
     def after_evaluation(self, state, val_metrics: dict) -> None:
-        """After each epoch's evaluation, before its checkpoint."""
+        """After each evaluation, before its checkpoint."""
+{%- if cookiecutter.early_stopping %}
 
     def stop_reason(self, state) -> str | None:
         """Why the run ends before its last epoch, if it does."""
         return None
+{%- endif %}
+{%- if cookiecutter.memory_report %}
 
     def epoch_figures(self, state) -> dict:
-        """More figures for the epoch's row of metrics.jsonl (every rank calls this)."""
+        """More figures for the evaluation's row of metrics.jsonl (every rank calls this)."""
         return {}
+{%- endif %}
+{%- if cookiecutter.tracking %}
 
     # Records of the run, on rank 0 only
     def open_log(self, start_step: int) -> None:
@@ -71,10 +89,11 @@ class Part:
         """Every train.log_every_steps steps: train/loss, train/lr, train/samples_per_s."""
 
     def log_epoch(self, row: dict) -> None:
-        """Each epoch's row, as metrics.jsonl has it."""
+        """Each evaluation's row, as metrics.jsonl has it."""
 
     def close_log(self, failed: bool) -> None:
         """At the end of the run, or on its way out with an error (`failed`)."""
+{%- endif %}
 
     # Checkpoints: small state, the same on every rank
     def state_dict(self) -> dict | None:
@@ -82,9 +101,7 @@ class Part:
 
     def load_state_dict(self, state: dict) -> None:
         pass
-
-    def before_load(self, state, trained_epoch: int) -> None:
-        """Before a checkpoint written in `trained_epoch` is loaded into the model."""
+{%- if cookiecutter.ema %}
 
     # A second set of the model's weights (e.g. their average), saved, loaded and evaluated
     # as the model's are, under the part's name
@@ -100,6 +117,7 @@ class Part:
 
     def reset_weights(self) -> None:
         """The part's weights := the model's (a checkpoint without them, or fine-tuning)."""
+{%- endif %}
 
 
 def modules() -> list[ModuleType]:

@@ -16,6 +16,7 @@ PARTS = {
     "profiler": "{{ cookiecutter.profiler }}" == "True",
     "tracking": "{{ cookiecutter.tracking }}" == "True",
     "memory_report": "{{ cookiecutter.memory_report }}" == "True",
+    "throughput": "{{ cookiecutter.throughput }}" == "True",
     "launcher": "{{ cookiecutter.launcher }}" == "True",
     "fsdp": "{{ cookiecutter.fsdp }}" == "True",
 }
@@ -26,6 +27,7 @@ PART_FILES = {
     "profiler": ["engine/parts/profiler.py", "tests/test_profiling.py", "docs/profiler.md"],
     "tracking": ["engine/parts/tracking.py", "tests/test_trackers.py", "tests/test_tensorboard.py", "docs/tracking.md"],
     "memory_report": ["engine/parts/memory.py", "tests/test_memory_report.py", "docs/memory.md"],
+    "throughput": ["engine/throughput.py", "tests/test_throughput.py"],
     "launcher": ["engine/launch.py", "tests/test_launcher.py"],  # a tool, not a Part
     "fsdp": [
         "engine/parts/fsdp.py",

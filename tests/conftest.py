@@ -13,7 +13,17 @@ TEMPLATE = Path(__file__).resolve().parents[1]
 CHOICES = json.loads((TEMPLATE / "cookiecutter.json").read_text())
 # The optional parts (engine/parts, and the launcher engine/launch.py), each a yes/no
 # answer; all "no" bakes the smallest project.
-PART_ANSWERS = ("ema", "early_stopping", "freezing", "profiler", "tracking", "memory_report", "launcher", "fsdp")
+PART_ANSWERS = (
+    "ema",
+    "early_stopping",
+    "freezing",
+    "profiler",
+    "tracking",
+    "memory_report",
+    "throughput",
+    "launcher",
+    "fsdp",
+)
 WITHOUT_PARTS = dict.fromkeys(PART_ANSWERS, "no")
 BIN = Path(sys.executable).parent  # this environment's python, ruff, pytest, cruft, pre-commit
 TOOLS_ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}  # them first on PATH

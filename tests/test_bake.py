@@ -207,6 +207,7 @@ PART_WORDS = {
     "profiler": [r"\bprofiler\b", r"\bProfiler\b"],
     "tracking": [r"\btracking\b", r"TensorBoard", r"tensorboard", r"W&B", r"wandb", r"MLflow", r"mlflow"],
     "memory_report": [r"memory report", r"memory table", r"nvidia-ml-py", r"NVML"],
+    "throughput": [r"\bMFU\b", r"peak_tflops", r"count_items"],
     "launcher": [r"engine\.launch"],
     "fsdp": [r"\bfsdp\b", r"\bFSDP\b", r"sharded"],
 }

@@ -16,6 +16,7 @@ PARTS = {
     "profiler": ("profiler.md", r"\bprofil"),
     "tracking": ("tracking.md", r"tensorboard|wandb|weights & biases|mlflow|\btracking[.:]"),
     "memory_report": ("memory.md", r"memory (table|report)|nvidia-ml-py|\bNVML\b|\.\[gpu\]|(?<![\w-])memory\.md"),
+    "throughput": (None, r"\bMFU\b|peak_tflops|count_items|model_tflops"),  # a section of outputs.md
     "launcher": (None, r"engine\.launch"),  # a section of launch.md, no page of its own
     "fsdp": ("fsdp.md", r"\bfsdp|sharded"),
 }

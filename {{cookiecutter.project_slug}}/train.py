@@ -20,8 +20,8 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import data
-import model as task
-import recipe
+{% if cookiecutter.throughput %}import model as task
+{% endif %}import recipe
 from data import DataConfig, build_datasets, prepare_data
 from engine.checkpoint import Checkpointer
 from engine.config import effective_batch, format_config, load_config, save_config
@@ -46,8 +46,8 @@ from engine.preemption import StopRequest, leave_stop_signals_to_the_rank
 from engine.provenance import commit_line, describe_run, header
 from engine.run_lock import RunLock
 from engine.seeding import capture_rng_state, derive_seed, restore_rng_state, seed_everything, set_determinism
-from engine.throughput import Throughput
-from engine.training import EpochStats, TrainState, forward_backward, optimizer_step
+{% if cookiecutter.throughput %}from engine.throughput import Throughput
+{% endif %}from engine.training import EpochStats, TrainState, forward_backward, optimizer_step
 from model import BLOCKS, ModelConfig, build_metrics, build_model, training_step, validation_step
 from recipe import OptimConfig
 
@@ -100,8 +100,12 @@ def main(argv=None) -> int:
 {%- endif %}
 
             freeze_setup_objects()  # no full garbage collection pauses inside the steps
+{%- if cookiecutter.throughput %}
             # The losses since the last evaluation, the task's items (model.py's count_items), the MFU.
             stats = EpochStats(state.device, Throughput.of_run(cfg, state.device, getattr(task, "count_items", None)))
+{%- else %}
+            stats = EpochStats(state.device)  # the losses since the last evaluation
+{%- endif %}
             while not run_done(state, cfg){{ ' and not state.stop_reason()' if cookiecutter.early_stopping }}:
                 if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
                     seed_everything(derive_seed(cfg.seed, env.rank, state.epoch))
@@ -291,9 +295,14 @@ def train_one_epoch(state: TrainState, loaders, cfg, stop: StopRequest, checkpoi
     try:
         for batch in train_loader:
             batch = move_to_device(batch, state.device, memory_format(cfg))
+{%- if cookiecutter.throughput %}
             with stats.throughput.counting_flops():  # the first micro-batch's, for the MFU
                 losses = forward_backward(state, batch, training_step, cfg.train.precision)  # the task's loss, backward
             stats.add(losses, batch)
+{%- else %}
+            losses = forward_backward(state, batch, training_step, cfg.train.precision)  # the task's loss, backward
+            stats.add(losses)
+{%- endif %}
             if not state.completes_step():
                 continue  # accumulate gradients
             optimizer_step(state, cfg.train)

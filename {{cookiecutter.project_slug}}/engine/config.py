@@ -56,7 +56,9 @@ class TrainConfig:
     sanity_check: bool = True  # before training: validation_step and the metrics on 2 batches per process
     num_workers: int = 2  # DataLoader worker processes per process
     log_every_steps: int = 10
+{%- if cookiecutter.throughput %}
     peak_tflops: float = 0.0  # one device's peak, for the MFU figure; 0 = a listed GPU's (engine/throughput.py)
+{%- endif %}
     eval_every_steps: int = 0  # evaluate, write a metrics row and save every N steps; 0 = at each epoch's end
     stop_at_step: int = 0  # stop with a checkpoint at this optimizer step; 0 = run all epochs
     deterministic: bool = False  # torch.use_deterministic_algorithms
@@ -65,7 +67,7 @@ class TrainConfig:
         for key in ("epochs", "batch_size", "accum_steps", "eval_batch_size", "log_every_steps"):
             check_positive(f"train.{key}", getattr(self, key))
         zero_allowed = ("max_steps", "eval_every_steps", "grad_clip", "max_bad_steps", "stop_at_step", "num_workers")
-        for key in (*zero_allowed, "peak_tflops"):
+        for key in {{ '(*zero_allowed, "peak_tflops")' if cookiecutter.throughput else 'zero_allowed' }}:
             check_positive(f"train.{key}", getattr(self, key), allow_zero=True)
         check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
 

@@ -208,18 +208,24 @@ class QuietLog:
 
 
 def format_epoch(metrics: dict) -> str:
-    """One console line: the train loss, every validation metric, throughput."""
+    """One console line: the train loss, every validation metric, the speed."""
     shown = [f"train_loss {metrics['train_loss']:.4f}"]
     shown += [f"{key} {value:.4f}" for key, value in metrics.items() if "val_" in key]
     speed = [f"{metrics['samples_per_s']:.0f} samples/s"]
+{%- if cookiecutter.throughput %}
     speed += [f"{metrics[key]:,.0f} {key.removesuffix('_per_s')}/s" for key in items_keys(metrics)]
     speed += [f"MFU {metrics['mfu']:.1%}"] if "mfu" in metrics else []
+{%- endif %}
     return f"epoch {metrics['epoch']}: {'  '.join(shown)} ({metrics['num_samples']} samples)  {', '.join(speed)}"
+
+
+{%- if cookiecutter.throughput %}
 
 
 def items_keys(metrics: dict) -> list[str]:
     """The task's <unit>_per_s (engine/throughput.py)."""
     return [key for key in metrics if key.endswith("_per_s") and key not in ("samples_per_s", "model_tflops_per_s")]
+{%- endif %}
 
 
 def say_last(line: str, exit_code: int) -> None:

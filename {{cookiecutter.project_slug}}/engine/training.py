@@ -27,8 +27,8 @@ from engine.divergence import NonFiniteGuard
 from engine.errors import TaskError, UsageError
 from engine.parts import Part
 from engine.precision import autocast
-from engine.throughput import Throughput
-
+{% if cookiecutter.throughput %}from engine.throughput import Throughput
+{% endif %}
 FULL = StateDictOptions(full_state_dict=True)
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 CORE_KEYS = {"model", "optimizer", "scheduler", "scaler", "epoch", "batches_done", "step", "config", "rng", "states"}
@@ -291,27 +291,38 @@ def full_on_main(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 class EpochStats:
     """The losses since the last evaluation (an epoch's, unless train.eval_every_steps),
     summed on the device (no host sync per step), and their clock."""
+{%- if cookiecutter.throughput %}
 
     def __init__(self, device: torch.device, throughput: Throughput | None = None):
         self.device = device
         self.throughput = throughput or Throughput(device=device)  # the task's items, the MFU
         self.reset()
+{%- else %}
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.reset()
+{%- endif %}
 
     def reset(self) -> None:
         self.loss_sums = {"loss": torch.zeros((), device=self.device)}  # and named losses, once seen
         self.micro_batches = 0
+{%- if cookiecutter.throughput %}
         self.throughput.reset()
+{%- endif %}
         self.start = time.perf_counter()
         self.step_ends = [self.start]  # host clock at each optimizer step: no device sync needed
 
-    def add(self, losses: dict[str, torch.Tensor], batch=None) -> None:
+    def add(self, losses: dict[str, torch.Tensor]{{ ', batch=None' if cookiecutter.throughput }}) -> None:
         for name, loss in losses.items():
             if name in self.loss_sums:
                 self.loss_sums[name] += loss
             else:
                 self.loss_sums[name] = loss.float().clone()
         self.micro_batches += 1
+{%- if cookiecutter.throughput %}
         self.throughput.add(batch)
+{%- endif %}
 
     def step_done(self) -> None:
         self.step_ends.append(time.perf_counter())
@@ -323,14 +334,20 @@ class EpochStats:
         names = list(self.loss_sums)
         sums = [self.loss_sums[name].double() for name in names]
         count = torch.tensor(float(self.micro_batches), dtype=torch.float64, device=sums[0].device)
+{%- if cookiecutter.throughput %}
         local = torch.stack([*sums, count, self.throughput.total_items()])
         *totals, micro_batches, items = all_reduce_sum(local).tolist()
+{%- else %}
+        *totals, micro_batches = all_reduce_sum(torch.stack([*sums, count])).tolist()
+{%- endif %}
         step_times = [b - a for a, b in itertools.pairwise(self.step_ends)]
         return {
             # No micro-batches: the epoch was trained by the run before (then NaN).
             **{f"train_{name}": total / (micro_batches or math.nan) for name, total in zip(names, totals, strict=True)},
             "samples_per_s": micro_batches * batch_size / max(elapsed, 1e-9),
+{%- if cookiecutter.throughput %}
             **self.throughput.figures(items, self.micro_batches, elapsed),
+{%- endif %}
             "step_time_median_s": statistics.median(step_times) if step_times else 0.0,
             "train_time_s": elapsed,
         }

@@ -14,7 +14,10 @@ import subprocess
 import pytest
 from conftest import CHOICES, TOOLS_ENV, WITHOUT_PARTS, bake, ci_step
 
-TASK_FILES = {"model.py", "data.py", "config.yaml", "README.md", "pyproject.toml", ".cookiecutter.json"}
+TASK_FILES = {
+    *("model.py", "data.py", "synthetic_data.py", "config.yaml"),
+    *("README.md", "pyproject.toml", ".cookiecutter.json"),
+}
 
 
 # The generated suite in parts of about equal time (measured with --durations on 2 cores),
@@ -103,7 +106,10 @@ def test_the_bake_without_parts_shares_the_default_bakes_code_but_its_task_and_p
     bakes have, but the task's own, is the same code in both (docstrings and help texts
     aside), and the tests' conftest differs only by lines naming a part's settings."""
     default, without = bake(tmp_path / "default"), bake(tmp_path / "without", **BAKES["without parts"])
-    task_files = {"model.py", "data.py", "tests/test_task.py", "tests/test_data.py", "tests/conftest.py"}
+    task_files = {
+        *("model.py", "data.py", "synthetic_data.py"),
+        *("tests/test_task.py", "tests/test_data.py", "tests/conftest.py"),
+    }
     shared = {name for name in files(without) & files(default) if name.endswith(".py")} - task_files
     assert {"train.py", "evaluate.py", "predict.py", "engine/training.py", "tests/test_train.py"} <= shared
     assert [name for name in sorted(shared) if code(default / name) != code(without / name)] == []

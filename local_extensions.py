@@ -51,6 +51,7 @@ PROJECT_MODULES = {
     "predict",
     "recipe",
     "sweep",
+    "synthetic_data",
     "train",
     "tests",
     "conftest",

@@ -15,7 +15,7 @@ from cookiecutter.exceptions import FailedHookException
 # The top of a baked project: what the user edits, and one package of machinery.
 USER_FILES = {
     *("train.py", "evaluate.py", "export.py", "predict.py", "sweep.py"),
-    *("model.py", "data.py", "recipe.py", "config.yaml"),
+    *("model.py", "data.py", "synthetic_data.py", "recipe.py", "config.yaml"),
 }
 TOP_LEVEL = USER_FILES | {"engine", "tests", "scripts", "docs", "README.md", "LICENSE", "pyproject.toml"}
 
@@ -193,7 +193,7 @@ def test_the_machinerys_tests_train_a_frozen_copy_of_the_example(baked):
     """tests/reference_task is the example task, train.py and recipe.py, byte for byte, under
     a one-line header: the machinery's tests then hold whatever the user's model.py, data.py,
     config.yaml, train.py and recipe.py become, and test exactly what the user started from."""
-    for name in ("model.py", "data.py", "config.yaml", "train.py", "recipe.py"):
+    for name in ("model.py", "data.py", "synthetic_data.py", "config.yaml", "train.py", "recipe.py"):
         header, _, body = (baked / "tests" / "reference_task" / name).read_text().partition("\n")
         assert header.startswith(("# The example task, frozen", "# The project's"))
         assert body == (baked / name).read_text(), name

@@ -14,7 +14,10 @@ import subprocess
 import pytest
 from conftest import CHOICES, TOOLS_ENV, WITHOUT_PARTS, bake, ci_step
 
-TASK_FILES = {"model.py", "data.py", "config.yaml", "README.md", "pyproject.toml", ".cookiecutter.json"}
+TASK_FILES = {
+    *("model.py", "data.py", "synthetic_data.py", "config.yaml"),
+    *("README.md", "pyproject.toml", ".cookiecutter.json"),
+}
 
 
 # The generated suite in parts of about equal time (measured with --durations on 2 cores),
@@ -128,7 +131,10 @@ def test_the_bake_without_parts_differs_from_the_default_bake_only_where_a_no_re
     is the same code in both (docstrings and help texts aside), and the tests' conftest
     differs only by lines naming a part's settings."""
     default, without = bake(tmp_path / "default"), bake(tmp_path / "without", **BAKES["without parts"])
-    task_files = {"model.py", "data.py", "tests/test_task.py", "tests/test_data.py", "tests/conftest.py"}
+    task_files = {
+        *("model.py", "data.py", "synthetic_data.py"),
+        *("tests/test_task.py", "tests/test_data.py", "tests/conftest.py"),
+    }
     shared = {name for name in files(without) & files(default) if name.endswith(".py")} - task_files
     assert {"predict.py", "engine/preemption.py", "tests/test_train.py"} <= shared
     differing = {name for name in shared if code(default / name) != code(without / name)}

@@ -9,6 +9,7 @@ Your task's tests (test_data.py, test_task.py) run on your files
 """
 
 import atexit
+import contextlib
 import functools
 import importlib.util
 import json
@@ -82,18 +83,29 @@ def reference_config(path=None, overrides=(), base=None):
 def reference_task() -> SimpleNamespace:
     """tests/reference_task's data, model and recipe modules, imported under their own names
     so that they never stand in for your data.py, model.py and recipe.py in this process."""
-    data = import_file("reference_task_data", REFERENCE_TASK / "data.py")
-    yours = sys.modules.get("data")
-    sys.modules["data"] = data  # the reference model.py imports its data module by this name
-    try:
+    synthetic = import_file("reference_task_synthetic_data", REFERENCE_TASK / "synthetic_data.py")
+    # The reference data.py and model.py import their siblings by these names.
+    with modules_as({"synthetic_data": synthetic}):
+        data = import_file("reference_task_data", REFERENCE_TASK / "data.py")
+    with modules_as({"data": data}):
         model = import_file("reference_task_model", REFERENCE_TASK / "model.py")
-    finally:
-        if yours is None:
-            del sys.modules["data"]
-        else:
-            sys.modules["data"] = yours
     recipe = import_file("reference_task_recipe", REFERENCE_TASK / "recipe.py")
     return SimpleNamespace(data=data, model=model, recipe=recipe)
+
+
+@contextlib.contextmanager
+def modules_as(modules: dict):
+    """`modules` importable by their names for a while, then yours (or none) again."""
+    yours = {name: sys.modules.get(name) for name in modules}
+    sys.modules.update(modules)
+    try:
+        yield
+    finally:
+        for name, module in yours.items():
+            if module is None:
+                del sys.modules[name]
+            else:
+                sys.modules[name] = module
 
 
 def import_file(name: str, path: Path):
@@ -115,7 +127,7 @@ def machinery_project() -> Path:
     shutil.copytree(PROJECT / "engine", project / "engine", ignore=shutil.ignore_patterns("__pycache__"))
     for name in ("evaluate.py", "export.py", "predict.py", "sweep.py"):
         shutil.copy(PROJECT / name, project / name)
-    for name in ("model.py", "data.py", "config.yaml", "train.py", "recipe.py"):
+    for name in ("model.py", "data.py", "synthetic_data.py", "config.yaml", "train.py", "recipe.py"):
         shutil.copy(REFERENCE_TASK / name, project / name)
     return project
 

@@ -1,4 +1,6 @@
 import dataclasses
+import functools
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar, Literal, Optional
@@ -116,6 +118,40 @@ def test_your_config_yaml_writes_no_default_twice():
         for key, value in values.items() if isinstance(values, dict) else [(None, values)]:
             default = getattr(defaults, section) if key is None else getattr(getattr(defaults, section), key)
             assert value != default, f"{section}.{key} repeats its default {default!r}; delete it from config.yaml"
+
+
+# A setting config.yaml shows commented out: "# " before a YAML line that begins with a
+# key (a section, or a key of one); deleting the "# " uncomments it.
+COMMENTED_SETTING = re.compile(r"^( *)# ( *[a-z_][a-z0-9_]*:(?: .*)?)$")
+
+
+def uncommented(text: str) -> tuple[str, list[str]]:
+    """config.yaml's text with its commented-out settings uncommented, and their dotted keys."""
+    lines, keys, section = [], [], ""
+    for line in text.splitlines():
+        setting = COMMENTED_SETTING.match(line)
+        line = setting[1] + setting[2] if setting else line
+        key = re.match(r"( *)([a-z_][a-z0-9_]*):(.*)", line)
+        if key and not key[1]:
+            section = key[2]
+        if setting and key[3].split(" #")[0].strip():  # a value, not a section's line
+            keys.append(f"{section}.{key[2]}" if key[1] else key[2])
+        lines.append(line)
+    return "\n".join(lines) + "\n", keys
+
+
+@pytest.mark.parametrize("which", ["yours", "reference"])
+def test_the_settings_config_yaml_shows_commented_out_load_when_uncommented(tmp_path, which):
+    """config.yaml shows the settings a new project changes first, commented out: each,
+    uncommented, must be a key of the schema with a valid value other than its default,
+    so that a renamed key or a value no longer taken fails here, not in a user's first run."""
+    config, path = (project_config, PROJECT / "config.yaml") if which == "yours" else (reference_config, CONFIG_YAML)
+    text, keys = uncommented(path.read_text())
+    assert keys or which == "yours", "the example's config.yaml shows no commented-out setting"
+    cfg, defaults = config(write(tmp_path, text)), config(None)
+    for key in keys:
+        value, default = (functools.reduce(getattr, key.split("."), c) for c in (cfg, defaults))
+        assert value != default, f"config.yaml shows {key}: {value!r}, its default; show a value to change it to"
 
 
 def write(tmp_path, text):

@@ -3,9 +3,9 @@
 What train.py and evaluate.py use from here:
 - `ModelConfig`: the `model:` section of config.yaml, each key with its default.
 - `build_model(cfg) -> nn.Module`: a plain module, unaware of distribution: the
-  machinery converts BatchNorm to SyncBatchNorm, moves it to the device and wraps it in
-  DDP or FSDP. Under FSDP, ranks other than 0 build it on the meta device (no memory)
-  and receive rank 0's weights: it may create tensors but not read their values.
+  machinery converts BatchNorm to SyncBatchNorm, moves it to the device and wraps it
+  in DDP{% if cookiecutter.fsdp %} or FSDP. Under FSDP, ranks other than 0 build it on the meta device (no memory)
+  and receive rank 0's weights: it may create tensors but not read their values{% endif %}.
 - `training_step(model, batch) -> loss`: the loss of one batch (a tensor), or a dict of
   named losses: backward runs on their sum, and each is logged as `train_<name>`.
 - `build_metrics(cfg) -> {name: metric}` and `validation_step(model, batch, metrics)`:
@@ -19,7 +19,7 @@ What train.py and evaluate.py use from here:
 - `count_items(batch) -> (unit, count)` (optional): the batch's size in the task's own
   unit, reported per second beside samples (here pixels; tokens for a language model).
 - `BLOCKS`: the repeated blocks of the model, the units that train.activation_checkpointing
-  recomputes and that FSDP shards.
+  recomputes{% if cookiecutter.fsdp %} and that FSDP shards{% endif %}.
 
 A batch is what data.py's dataset (and its `collate_fn`, if any) makes, already on the
 device. Both steps run under autocast when train.precision is bf16 or fp16.

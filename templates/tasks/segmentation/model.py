@@ -3,9 +3,9 @@
 What train.py and evaluate.py use from here:
 - `ModelConfig`: the `model:` section of config.yaml, each key with its default.
 - `build_model(cfg) -> nn.Module`: a plain module, unaware of distribution: the
-  machinery converts BatchNorm to SyncBatchNorm, moves it to the device and wraps it in
-  DDP or FSDP. Under FSDP, ranks other than 0 build it on the meta device (no memory)
-  and receive rank 0's weights: it may create tensors but not read their values.
+  machinery converts BatchNorm to SyncBatchNorm, moves it to the device and wraps it
+  in DDP{% if cookiecutter.fsdp %} or FSDP. Under FSDP, ranks other than 0 build it on the meta device (no memory)
+  and receive rank 0's weights: it may create tensors but not read their values{% endif %}.
 - `training_step(model, batch) -> loss`: the loss of one batch (a tensor), or a dict of
   named losses: backward runs on their sum, and each is logged as `train_<name>`.
 - `build_metrics(cfg) -> {name: metric}` and `validation_step(model, batch, metrics)`:
@@ -17,7 +17,7 @@ What train.py and evaluate.py use from here:
 - `model_inputs(batch) -> tuple` (for export.py --program): what `model(...)` takes for a
   batch, from which torch.export traces the model.
 - `BLOCKS`: the repeated blocks of the model, the units that train.activation_checkpointing
-  recomputes and that FSDP shards.
+  recomputes{% if cookiecutter.fsdp %} and that FSDP shards{% endif %}.
 
 A batch is (images [N, 3, H, W], masks [N, H, W]) from data.py, already on the device.
 Both steps run under autocast when train.precision is bf16 or fp16.

@@ -1,0 +1,1 @@
+{% include "tasks/" ~ cookiecutter.task ~ "/synthetic_data.py" %}

@@ -16,9 +16,9 @@ What train.py and evaluate.py use from here:
   a batch from data.py's `build_predict_set`, each a dict that JSON can write.
 - `model_inputs(batch) -> tuple` (for export.py --program): what `model(...)` takes for a
   batch, from which torch.export traces the model.
-- `count_items(batch) -> (unit, count)` (optional): the batch's size in the task's own
+{% if cookiecutter.throughput %}- `count_items(batch) -> (unit, count)` (optional): the batch's size in the task's own
   unit, reported per second beside samples (here pixels; tokens for a language model).
-- `BLOCKS`: the repeated blocks of the model, the units that train.activation_checkpointing
+{% endif %}- `BLOCKS`: the repeated blocks of the model, the units that train.activation_checkpointing
   recomputes{% if cookiecutter.fsdp %} and that FSDP shards{% endif %}.
 
 A batch is what data.py's dataset (and its `collate_fn`, if any) makes, already on the
@@ -104,12 +104,12 @@ def validation_step(model: nn.Module, batch, metrics: dict) -> None:
     metrics["acc"].update((logits.argmax(dim=1) == labels).float())
 
 
-def count_items(batch) -> tuple[str, int]:
+{% if cookiecutter.throughput %}def count_items(batch) -> tuple[str, int]:
     images, _ = batch
     return "pixels", images.shape[0] * images.shape[-2] * images.shape[-1]
 
 
-def predict_step(model: nn.Module, batch) -> list[dict]:
+{% endif %}def predict_step(model: nn.Module, batch) -> list[dict]:
     images, paths = batch
     scores, labels = model(images).float().softmax(dim=1).max(dim=1)
     # label: the class's index, in the sorted class folder names of data.root/train/.

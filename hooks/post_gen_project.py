@@ -17,6 +17,7 @@ PARTS = {
     "tracking": "{{ cookiecutter.tracking }}" == "True",
     "memory_report": "{{ cookiecutter.memory_report }}" == "True",
     "throughput": "{{ cookiecutter.throughput }}" == "True",
+    "run_record": "{{ cookiecutter.run_record }}" == "True",
     "launcher": "{{ cookiecutter.launcher }}" == "True",
     "fsdp": "{{ cookiecutter.fsdp }}" == "True",
 }
@@ -28,6 +29,7 @@ PART_FILES = {
     "tracking": ["engine/parts/tracking.py", "tests/test_trackers.py", "tests/test_tensorboard.py", "docs/tracking.md"],
     "memory_report": ["engine/parts/memory.py", "tests/test_memory_report.py", "docs/memory.md"],
     "throughput": ["engine/throughput.py", "tests/test_throughput.py"],
+    "run_record": ["engine/run_record.py", "tests/test_run_record.py"],
     "launcher": ["engine/launch.py", "tests/test_launcher.py"],  # a tool, not a Part
     "fsdp": [
         "engine/parts/fsdp.py",

@@ -21,6 +21,7 @@ PART_ANSWERS = (
     "tracking",
     "memory_report",
     "throughput",
+    "run_record",
     "launcher",
     "fsdp",
 )

@@ -37,15 +37,15 @@ from engine.distributed import (
 from engine.divergence import NonFiniteGuard
 from engine.host import freeze_setup_objects, set_host_allocator
 from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
-from engine.logs import QuietLog, RunLog, hand_to_launcher, keep_output_in, log, report_errors
+from engine.logs import QuietLog, RunLog, hand_to_launcher, log, report_errors
 from engine.metrics import evaluate
 from engine.parallel import build_and_wrap, memory_format{{ ', wrap_again' if cookiecutter.freezing }}
 from engine.parts import build_parts
 from engine.precision import build_grad_scaler, check_precision
 from engine.preemption import StopRequest, leave_stop_signals_to_the_rank
-from engine.provenance import commit_line, describe_run, header
 from engine.run_lock import RunLock
-from engine.seeding import capture_rng_state, derive_seed, restore_rng_state, seed_everything, set_determinism
+{% if cookiecutter.run_record %}from engine.run_record import commit_line, describe_run, header, keep_output_in
+{% endif %}from engine.seeding import capture_rng_state, derive_seed, restore_rng_state, seed_everything, set_determinism
 {% if cookiecutter.throughput %}from engine.throughput import Throughput
 {% endif %}from engine.training import EpochStats, TrainState, forward_backward, optimizer_step
 from model import BLOCKS, ModelConfig, build_metrics, build_model, training_step, validation_step
@@ -78,12 +78,18 @@ def main(argv=None) -> int:
         with stop_all_if_any_fails(device):
             if is_main():  # one run per output_dir, taken before anything is written there
                 lock = RunLock(cfg.output_dir).acquire()
+{%- if cookiecutter.run_record %}
                 keep_output_in(Path(cfg.output_dir) / "train.log")  # rank 0's lines, across resumes
+{%- endif %}
         stop = StopRequest(cfg.dist.timeout_minutes, cfg.train.stop_at_step).install(env.launcher)
         check_precision(cfg, device)
         set_determinism(cfg.train.deterministic, device)
+{%- if cookiecutter.run_record %}
         provenance = describe_run(env, Path(__file__).resolve().parent, cfg.provenance)  # git commit, versions, hosts
         checkpointer = Checkpointer(cfg, env, device, provenance)
+{%- else %}
+        checkpointer = Checkpointer(cfg, env, device)
+{%- endif %}
         train_loader, val_loader, state = load_train_objs(cfg, env, device, checkpointer, parts, stop.group)
         loaders = (train_loader, val_loader)
         rng_restored = checkpointer.resume(state)
@@ -91,7 +97,7 @@ def main(argv=None) -> int:
             sanity_check(state, val_loader, cfg, checkpointer)
         # Rank 0's log and the parts' records, e.g. trackers (a QuietLog elsewhere), closed at the
         # end: their runs as failed on an error.
-        with start_run_log(cfg, env, state, loaders, provenance) as run_log:
+        with start_run_log(cfg, env, state, loaders{{ ', provenance' if cookiecutter.run_record }}) as run_log:
             # A hang fails the run after dist.step_timeout_minutes once the first step is done.
             shorten_timeout_after_first_step(state.optimizer, cfg.dist.step_timeout_minutes, [stop.group])
 {%- if cookiecutter.memory_report or cookiecutter.profiler %}
@@ -200,7 +206,7 @@ def sanity_check(state: TrainState, val_loader, cfg, checkpointer: Checkpointer)
     checkpointer.check_best_metric(results)
 
 
-def start_run_log(cfg, env, state: TrainState, loaders, provenance: dict) -> RunLog | QuietLog:
+def start_run_log(cfg, env, state: TrainState, loaders{{ ', provenance: dict' if cookiecutter.run_record }}) -> RunLog | QuietLog:
     """On rank 0: save the resolved config, say what runs, open the run's log and its
     trackers; a QuietLog elsewhere. An unwritable output_dir or a tracker that cannot start
     stops every rank here. Every rank must call this."""
@@ -208,13 +214,17 @@ def start_run_log(cfg, env, state: TrainState, loaders, provenance: dict) -> Run
     per_step = effective_batch(cfg.train, env.world_size)
     with stop_all_if_any_fails(state.device):
         if is_main():
-            save_config(cfg, Path(cfg.output_dir) / "config.yaml", header(provenance))
+            save_config(cfg, Path(cfg.output_dir) / "config.yaml"{{ ', header(provenance)' if cookiecutter.run_record }})
             stream = state.steps_per_epoch is None
             train = "streamed" if stream else f"{len(train_loader.dataset)}"
             length = f"{cfg.train.max_steps} steps" if stream else f"{state.steps_per_epoch} steps/epoch"
             log(
                 f"training on {env.world_size} process(es), {state.device.type}, {{ '{state.wrapping}' if cookiecutter.fsdp else 'ddp' }}, "
+{%- if cookiecutter.run_record %}
                 f"{commit_line(provenance)}; {train} train / {len(val_loader.dataset)} val samples; "
+{%- else %}
+                f"{train} train / {len(val_loader.dataset)} val samples; "
+{%- endif %}
                 f"effective batch {per_step}; {length}"
             )
             log(recipe.describe(cfg, env.world_size, state.steps_per_epoch))

@@ -516,10 +516,16 @@ class Checkpointer:
     Every rank must call its methods: they gather every rank's RNG state, and all ranks
     stop together if rank 0 cannot write.
     """
+{%- if cookiecutter.run_record %}
 
     def __init__(self, cfg: Config, env: DistEnv, device: torch.device, provenance: dict | None = None):
         self.cfg, self.env, self.device = cfg, env, device
-        self.provenance = provenance  # what produced the run (engine/provenance.py), in every checkpoint
+        self.provenance = provenance  # what produced the run (engine/run_record.py), in every checkpoint
+{%- else %}
+
+    def __init__(self, cfg: Config, env: DistEnv, device: torch.device):
+        self.cfg, self.env, self.device = cfg, env, device
+{%- endif %}
         self.directory = checkpoint_dir(cfg.output_dir)
 
     def save_if_due(self, state) -> None:
@@ -539,7 +545,9 @@ class Checkpointer:
             "config": self.cfg.to_dict(),
             "world_size": self.env.world_size,
             "rng": rng_states,
+{%- if cookiecutter.run_record %}
             **({"provenance": self.provenance} if self.provenance else {}),
+{%- endif %}
         }
         keep_last = self.cfg.checkpoint.keep_last
         try:

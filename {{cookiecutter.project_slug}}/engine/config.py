@@ -118,7 +118,9 @@ class DistConfig:
 class Config:
     seed: int = 0
     output_dir: str = "runs/default"  # checkpoints, metrics.jsonl, the resolved config
+{%- if cookiecutter.run_record %}
     provenance: bool = True  # record the git commit: runs git in the project folder; false: no git call
+{%- endif %}
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)

@@ -28,53 +28,6 @@ def log(message: str) -> None:
     sys.stdout.flush()
 
 
-def keep_output_in(path: Path) -> None:
-    """From here to the process's end, what it prints (stdout and stderr: its lines, the
-    errors that end it) is also appended to `path`: rank 0's record of the run, which a
-    resumed run continues. A progress bar's redrawn line is left out."""
-    record = Record(path)
-    sys.stdout, sys.stderr = AlsoTo(sys.stdout, record), AlsoTo(sys.stderr, record)
-
-
-class Record:
-    """A file of whole lines, appended. A write that fails (a full disk) ends the record,
-    said once on the terminal: the run itself goes on."""
-
-    def __init__(self, path: Path):
-        self.path, self.file = path, path.open("a", encoding="utf-8", buffering=1)  # a line at a time
-
-    def write(self, text: str, terminal) -> None:
-        if self.file is None:
-            return
-        try:
-            self.file.write(text)
-        except OSError as error:
-            self.file = None
-            terminal.write(f"warning: {self.path} records no more of this run: {error.strerror or error}\n")
-
-
-class AlsoTo:
-    """A text stream that also writes to a Record, but for a progress bar's frames."""
-
-    def __init__(self, stream, record: Record):
-        self.stream, self.record = stream, record
-        self.in_bar = False  # the last write was a bar's frame
-
-    def write(self, text: str) -> int:
-        if "\r" in text:  # a bar's frame: for the terminal only
-            self.in_bar = True
-        elif not (self.in_bar and not text.strip()):  # but the newline that ends a bar
-            self.in_bar = False
-            self.record.write(text, self.stream)
-        return self.stream.write(text)
-
-    def flush(self) -> None:
-        self.stream.flush()
-
-    def __getattr__(self, name: str):  # isatty, fileno, encoding: the terminal's
-        return getattr(self.stream, name)
-
-
 class Progress:
     """Rank 0's progress for one epoch: a tqdm bar on a terminal, plain lines otherwise{% if cookiecutter.tracking %},
     and the step curves for the parts that record them{% endif %}. The loss is read (a host-device

@@ -1,4 +1,4 @@
-"""What a run leaves about itself: what produced it (engine/provenance.py: the git
+"""What a run leaves about itself (engine/run_record.py): what produced it (the git
 commit and whether the code differed from it, the versions, the launch and its hosts), in
 every checkpoint, the saved config's header and the run's opening line; and rank 0's
 lines, in output_dir/train.log across resumes."""
@@ -19,7 +19,7 @@ import yaml
 
 from conftest import FAST, load_checkpoint, machinery_project, reference_config, run_script
 from engine.distributed import DistEnv
-from engine.provenance import commit_line, describe_run, git_state
+from engine.run_record import commit_line, describe_run, git_state
 
 RUN = [*FAST, "data.train_size=256", "train.epochs=1"]
 

@@ -1,5 +1,6 @@
-"""What produced a run: the code's git commit, the versions, the launch and its hosts.
+"""What a run leaves about itself: what produced it, and rank 0's lines in train.log.
 
+What produced it: the code's git commit, the versions, the launch and its hosts.
 Recorded in every checkpoint ("provenance") and in the header of output_dir/config.yaml;
 the run's opening line says the commit. A project outside a git repository records no
 commit, and says so; so does a run where git is missing, fails or does not answer, or
@@ -9,6 +10,9 @@ git runs in the project folder (rev-parse HEAD, then status --porcelain), under 
 repository's own settings: its fsmonitor command (core.fsmonitor), optional locks and
 prompts are turned off; what else the repository names (a filter) may run, and is
 stopped with git after GIT_TIMEOUT seconds.
+
+train.log: everything rank 0 prints, the error that ends a run included, appended across
+resumes (`keep_output_in`).
 """
 
 import contextlib
@@ -18,6 +22,7 @@ import platform
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -141,3 +146,50 @@ def header(provenance: dict) -> str:
 def shown_hosts(hosts: list[str], most: int = 8) -> str:
     more = f" and {len(hosts) - most} more" if len(hosts) > most else ""
     return ", ".join(hosts[:most]) + more
+
+
+def keep_output_in(path: Path) -> None:
+    """From here to the process's end, what it prints (stdout and stderr: its lines, the
+    errors that end it) is also appended to `path`: rank 0's record of the run, which a
+    resumed run continues. A progress bar's redrawn line is left out."""
+    record = Record(path)
+    sys.stdout, sys.stderr = AlsoTo(sys.stdout, record), AlsoTo(sys.stderr, record)
+
+
+class Record:
+    """A file of whole lines, appended. A write that fails (a full disk) ends the record,
+    said once on the terminal: the run itself goes on."""
+
+    def __init__(self, path: Path):
+        self.path, self.file = path, path.open("a", encoding="utf-8", buffering=1)  # a line at a time
+
+    def write(self, text: str, terminal) -> None:
+        if self.file is None:
+            return
+        try:
+            self.file.write(text)
+        except OSError as error:
+            self.file = None
+            terminal.write(f"warning: {self.path} records no more of this run: {error.strerror or error}\n")
+
+
+class AlsoTo:
+    """A text stream that also writes to a Record, but for a progress bar's frames."""
+
+    def __init__(self, stream, record: Record):
+        self.stream, self.record = stream, record
+        self.in_bar = False  # the last write was a bar's frame
+
+    def write(self, text: str) -> int:
+        if "\r" in text:  # a bar's frame: for the terminal only
+            self.in_bar = True
+        elif not (self.in_bar and not text.strip()):  # but the newline that ends a bar
+            self.in_bar = False
+            self.record.write(text, self.stream)
+        return self.stream.write(text)
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def __getattr__(self, name: str):  # isatty, fileno, encoding: the terminal's
+        return getattr(self.stream, name)

@@ -75,7 +75,7 @@ PART_CODE = {
     "train.py",
     "evaluate.py",
     "recipe.py",
-    *(f"engine/{name}.py" for name in ("checkpoint", "config", "divergence", "loader", "logs", "metrics")),
+    *(f"engine/{name}.py" for name in ("checkpoint", "config", "loader", "logs", "metrics")),
     *(f"engine/{name}.py" for name in ("parallel", "training", "parts/__init__")),
     "tests/reference_task/train.py",
     "tests/reference_task/recipe.py",
@@ -136,7 +136,7 @@ def test_the_bake_without_parts_differs_from_the_default_bake_only_where_a_no_re
         *("tests/test_task.py", "tests/test_data.py", "tests/conftest.py"),
     }
     shared = {name for name in files(without) & files(default) if name.endswith(".py")} - task_files
-    assert {"predict.py", "engine/preemption.py", "tests/test_train.py"} <= shared
+    assert {"predict.py", "engine/lifecycle.py", "tests/test_train.py"} <= shared
     differing = {name for name in shared if code(default / name) != code(without / name)}
     assert differing <= PART_CODE, sorted(differing - PART_CODE)
     lean_runs = {name for part in WITHOUT_PARTS_RUNS for name in SUITE_PARTS[part]}

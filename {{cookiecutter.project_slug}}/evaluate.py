@@ -25,13 +25,13 @@ from engine.distributed import (
     prepare_on_node_leaders,
     stop_all_if_any_fails,
 )
-from engine.host import set_host_allocator
+from engine.lifecycle import leave_stop_signals_to_the_rank
 from engine.loader import build_val_loader
 from engine.logs import report_errors
 from engine.metrics import evaluate
 {% if cookiecutter.fsdp %}from engine.parallel import build_for_evaluation
-{% endif %}{% if cookiecutter.fsdp %}from engine.parts import build_parts
-{% endif %}from engine.preemption import leave_stop_signals_to_the_rank
+from engine.parts import build_parts
+{% endif %}from engine.training import set_host_allocator
 from model import {{ 'BLOCKS, ' if cookiecutter.fsdp }}ModelConfig, build_metrics, build_model, validation_step
 from recipe import OptimConfig
 

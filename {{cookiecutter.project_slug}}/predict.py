@@ -46,10 +46,10 @@ from engine.distributed import (
 )
 from engine.errors import TaskError, UsageError
 from engine.files import already_exists, open_new, private_folder, write_new_file
+from engine.lifecycle import leave_stop_signals_to_the_rank
 from engine.loader import build_val_loader, move_to_device
 from engine.logs import report_errors
-from engine.precision import autocast
-from engine.preemption import leave_stop_signals_to_the_rank
+from engine.training import autocast
 from model import ModelConfig, build_model
 from recipe import OptimConfig
 

@@ -34,20 +34,26 @@ from engine.distributed import (
     shorten_timeout_after_first_step,
     stop_all_if_any_fails,
 )
-from engine.divergence import NonFiniteGuard
-from engine.host import freeze_setup_objects, set_host_allocator
+from engine.lifecycle import RunLock, StopRequest, leave_stop_signals_to_the_rank
 from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
 from engine.logs import QuietLog, RunLog, hand_to_launcher, log, report_errors
 from engine.metrics import evaluate
 from engine.parallel import build_and_wrap, memory_format{{ ', wrap_again' if cookiecutter.freezing }}
 from engine.parts import build_parts
-from engine.precision import build_grad_scaler, check_precision
-from engine.preemption import StopRequest, leave_stop_signals_to_the_rank
-from engine.run_lock import RunLock
 {% if cookiecutter.run_record %}from engine.run_record import commit_line, describe_run, header, keep_output_in
 {% endif %}from engine.seeding import capture_rng_state, derive_seed, restore_rng_state, seed_everything, set_determinism
 {% if cookiecutter.throughput %}from engine.throughput import Throughput
-{% endif %}from engine.training import EpochStats, TrainState, forward_backward, optimizer_step
+{% endif %}from engine.training import (
+    EpochStats,
+    NonFiniteGuard,
+    TrainState,
+    build_grad_scaler,
+    check_precision,
+    forward_backward,
+    freeze_setup_objects,
+    optimizer_step,
+    set_host_allocator,
+)
 from model import BLOCKS, ModelConfig, build_metrics, build_model, training_step, validation_step
 from recipe import OptimConfig
 

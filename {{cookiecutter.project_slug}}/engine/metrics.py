@@ -40,7 +40,7 @@ from engine.distributed import (
 )
 from engine.errors import TaskError
 from engine.loader import map_leaves, move_to_device
-from engine.precision import autocast
+from engine.training import autocast
 
 TOTAL_OR_COUNT = "or update(total, count=n) for a total over n items"
 

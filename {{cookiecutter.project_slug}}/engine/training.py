@@ -1,13 +1,19 @@
-"""The parts of a training step, for any task: the state a checkpoint holds, forward and
-backward of one micro-batch (the task's `training_step` gives the loss), the optimizer
-step, and the epoch's figures."""
+"""One training step, for any task: the state a checkpoint holds, forward and backward of
+one micro-batch in the run's precision (the task's `training_step` gives the loss), the
+optimizer step and its divergence guard, the host settings the steps run with, and the
+figures of the steps since the last evaluation."""
 
 import contextlib
+import ctypes
+import gc
 import itertools
 import math
+import os
+import platform
 import re
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -21,14 +27,254 @@ from torch.distributed.checkpoint.state_dict import (
 {% if cookiecutter.fsdp %}from torch.distributed.tensor import DTensor
 {% endif %}from torch.nn.parallel import DistributedDataParallel as DDP
 
-from engine.config import TrainConfig
-from engine.distributed import all_reduce_sum{{ ', is_main' if cookiecutter.ema }}
-from engine.divergence import NonFiniteGuard
-from engine.errors import TaskError, UsageError
+from engine.config import Config, TrainConfig
+from engine.distributed import all_reduce_max_, all_reduce_sum{{ ', is_main' if cookiecutter.ema }}
+from engine.errors import ConfigError, DivergedError, TaskError, UsageError
 from engine.parts import Part
-from engine.precision import autocast
 {% if cookiecutter.throughput %}from engine.throughput import Throughput
 {% endif %}
+# The host process's settings for the training steps: glibc's allocator thresholds, and
+# Python's garbage collector kept out of the steps.
+
+# glibc's mallopt() parameters, and the values the training steps run with (set_host_allocator):
+# blocks up to 256 MiB come from the heap, and up to 512 MiB of free memory stays at its top.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+STEPS_REUSE_FREED = {M_MMAP_THRESHOLD: 256 * 2**20, M_TRIM_THRESHOLD: 512 * 2**20}
+# The same settings made at launch, which win: variables, and names in GLIBC_TUNABLES.
+SETTINGS = ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")
+LAUNCH_VARIABLES = [f"MALLOC_{name.upper()}_" for name in SETTINGS]
+TUNABLES = [f"glibc.malloc.{name}" for name in SETTINGS]
+
+
+class MallInfo2(ctypes.Structure):
+    """glibc's struct mallinfo2 (glibc 2.33 and later), all fields size_t."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
+
+
+def c_heap_mib() -> dict:
+    """The C heap in MiB, from glibc's mallinfo2: what is handed out (`heap_used_mib`,
+    tensor storage among it) and what is free but kept (`heap_kept_mib`, the cache
+    `set_host_allocator` asks for). RSS is roughly both plus Python's own small
+    objects and the libraries; it cannot tell a cache from a leak, these can. Empty where
+    there is no glibc 2.33."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return {}
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2"):
+        return {}
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return {
+        "heap_used_mib": round((info.uordblks + info.hblkhd) / 2**20, 1),
+        "heap_kept_mib": round(info.fordblks / 2**20, 1),
+    }
+
+
+def freeze_setup_objects() -> None:
+    """Keep Python's full garbage collections out of the training steps.
+
+    A full collection walks every object (~0.1 s once torch is imported) and starts at a
+    different step on each rank, where the other ranks then wait for it. What setup made
+    lives for the whole run: collect once, then freeze it, so later collections only walk
+    what the loop makes. `gc.unfreeze()` undoes it.
+    """
+    gc.collect()
+    gc.freeze()
+
+
+def set_host_allocator(parts=()) -> bool:
+    """Fix glibc's allocator thresholds for the training steps: a part's own settings
+    (`Part.host_allocator`, e.g. FSDP's), else STEPS_REUSE_FREED. Returns whether they
+    were set: not where the launch set them, nor with another C library.
+
+    With glibc's defaults, a block above an adaptive threshold (at most 32 MiB) gets its
+    own mmap and goes back to the kernel when freed, and the threshold rises to the size
+    of each such block freed. Fixing it stops it moving. A step frees and allocates the
+    same activations every time: with the defaults each CPU step page-faulted them in
+    anew, about 31,000 faults per ResNet-18 step (batch 32), 5% of its time. On a GPU the
+    step's tensors are in CUDA's caching allocator, which keeps what it frees; the host
+    heap still holds the batches that `num_workers=0` collates in this process, and
+    workers started later inherit the setting.
+
+    Call it before setup, as soon as the parts are known: what setup frees is then kept
+    too (up to 512 MiB at the heap's top), for the steps to reuse. The same settings
+    made at launch (MALLOC_TRIM_THRESHOLD_ etc., or in GLIBC_TUNABLES) win.
+    """
+    tunables = os.environ.get("GLIBC_TUNABLES", "")
+    if any(name in os.environ for name in LAUNCH_VARIABLES) or any(name in tunables for name in TUNABLES):
+        return False
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return False
+    libc = ctypes.CDLL(None)  # the C library this process already runs on
+    settings = next((part.host_allocator for part in parts if part.host_allocator), STEPS_REUSE_FREED)
+    return all([libc.mallopt(parameter, value) for parameter, value in settings.items()])
+
+
+# Mixed precision: which dtype the forward passes run in, and the fp16 loss scaler.
+#
+# train.precision is fp32, bf16 or fp16. bf16 and fp16 run the forward passes under
+# autocast; fp16 also scales the loss (GradScaler), since its gradients underflow.
+
+AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def check_precision(cfg: Config, device: torch.device) -> None:
+    if cfg.train.precision == "fp16" and device.type != "cuda":
+        raise ConfigError("train.precision=fp16 needs a CUDA GPU; use bf16 or fp32 on CPU")
+
+
+def autocast(precision: str, device: torch.device):
+    """A context for forward passes: autocast for bf16/fp16, a no-op for fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=AMP_DTYPES[precision])
+
+
+def build_grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
+    # fp16 gradients underflow without loss scaling; bf16 and fp32 do not need it. A
+    # disabled scaler passes everything through unchanged, so the loop has one shape.
+    return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
+
+
+MIN_FP16_SCALE = 2.0**-10  # 26 halvings below GradScaler's initial 2**16
+FOLD_EVERY = 100  # norms kept before they are reduced: a few ops per 100 steps, not 5 per step
+
+
+class NonFiniteGuard:
+    """A run whose gradients become NaN or infinite has diverged: it must stop, with its last
+    good checkpoint intact, instead of training on and saving non-finite weights as progress.
+
+    Every optimizer step keeps its gradient norm, a tensor on the device: nothing waits for
+    it and the guard adds no op to the step{% if cookiecutter.fsdp %} (under FSDP the norm's shards are still summed
+    at every step, on every rank alike){% endif %}. Every FOLD_EVERY steps, and at each check, the
+    kept norms are reduced on the device to the first non-finite step. Every
+    train.log_every_steps steps, `check_later` starts copying that to the host and reads the
+    copy it started the time before: no wait for the device (on a GPU, draining its queue
+    would idle it). Before every checkpoint, `check` reads it at once (a host sync), so
+    nothing non-finite is saved.
+    The gradients are all-reduced before the norm is taken, so every rank sees the same
+    norm and decides alike.
+
+    With fp16 the GradScaler skips steps with non-finite gradients itself and lowers its
+    scale: that is normal. Such a run has diverged only when the scale has collapsed, i.e.
+    no scale makes the gradients finite.
+    """
+
+    def __init__(self, train: TrainConfig, last_good: Callable[[], str], lr: float, device: torch.device):
+        """`last_good()` says which checkpoint the run leaves behind (the checkpointer's)."""
+        self.max_bad_steps, self.last_good, self.lr = train.max_bad_steps, last_good, lr
+        self.first_bad_step = torch.full((), -1, dtype=torch.int64, device=device)
+        self.norms: list[torch.Tensor] = []  # of consecutive steps, from `self.norms_from`
+        self.norms_from = 0
+        self.skipped_steps = 0  # over the whole run: saved in checkpoints
+        self.first_bad_later = LaggedValue()  # what `check_later` started reading
+
+    def skip_step(self, grad_norm: torch.Tensor, step: int) -> bool:
+        """Record step `step`'s gradient norm; whether to skip its update. Skipping needs
+        the norm on the host at every step, so it is on only with train.max_bad_steps > 0."""
+{%- if cookiecutter.fsdp %}
+        if isinstance(grad_norm, DTensor):  # FSDP: the norm over every shard
+            grad_norm = grad_norm.full_tensor()
+{%- endif %}
+        if self.max_bad_steps == 0:
+            self.keep(grad_norm, step)
+            return False
+        if bool(torch.isfinite(grad_norm)):
+            return False
+        self.skipped_steps += 1
+        if self.skipped_steps > self.max_bad_steps:
+            skipped = f"after {self.max_bad_steps} skipped (train.max_bad_steps)"
+            raise DivergedError(self.message(f"at step {step}, {skipped}"))
+        return True
+
+    def keep(self, grad_norm: torch.Tensor, step: int) -> None:
+        if self.norms and step != self.norms_from + len(self.norms):
+            self.fold()  # fold counts steps from norms_from: it needs them consecutive
+        if not self.norms:
+            self.norms_from = step
+        self.norms.append(grad_norm)
+        if len(self.norms) >= FOLD_EVERY:
+            self.fold()
+
+    def fold(self) -> None:
+        """Reduce the kept norms into `first_bad_step`, on the device (no host sync)."""
+        if not self.norms:
+            return
+        bad = ~torch.isfinite(torch.stack(self.norms))
+        first_here = self.norms_from + (bad.cumsum(0) == 0).sum()  # steps before the first bad one
+        first = self.first_bad_step
+        self.first_bad_step = torch.where(bad.any() & (first < 0), first_here, first)
+        self.norms = []
+
+    def check_later(self) -> None:
+        """Stop every rank together if a step before the previous call had non-finite
+        gradients; this call's steps are read at the next call (or by `check`). Nothing
+        waits for the device. Every rank must call this at the same steps."""
+        self.fold()
+        first_bad = self.first_bad_later.swap(all_reduce_max_(self.first_bad_step.clone()))
+        if first_bad is not None and first_bad >= 0:
+            raise DivergedError(self.message(f"at step {first_bad}"))
+
+    def check(self, scaler: torch.amp.GradScaler) -> None:
+        """Stop every rank together if a step had non-finite gradients, or fp16's loss
+        scale collapsed; waits for the device. Every rank must call this."""
+        self.fold()
+        first_bad = int(all_reduce_max_(self.first_bad_step.clone()))
+        if first_bad >= 0:
+            raise DivergedError(self.message(f"at step {first_bad}"))
+        if scaler.is_enabled() and scaler.get_scale() < MIN_FP16_SCALE:
+            raise DivergedError(self.message(f"at every scale (the fp16 loss scale fell below {MIN_FP16_SCALE:g})"))
+
+    def message(self, where: str) -> str:
+        return (
+            f"training diverged: non-finite gradients {where}; {self.last_good()}. Try a lower learning rate "
+            f"(this run's: {self.lr:.4g}; recipe.py, optim: in config.yaml), a longer warmup, or train.grad_clip; "
+            "train.max_bad_steps=N skips up to N such steps"
+        )
+
+
+class LaggedValue:
+    """A number on the device, read one call later. `swap(tensor)` starts copying `tensor`
+    to the host without waiting, and returns the number the previous call started copying
+    (None the first time). By then that copy has long finished, so reading it waits for
+    nothing; on the CPU the copy is done at once."""
+
+    def __init__(self):
+        self.pending = None  # (host tensor, CUDA event or None)
+
+    def swap(self, tensor: torch.Tensor) -> int | float | None:
+        previous = None
+        if self.pending is not None:
+            host, copied = self.pending
+            if copied is not None:
+                copied.synchronize()  # the copy of one interval ago: finished long since
+            previous = host.item()
+        # Pinned memory: a copy from the GPU into pageable memory would wait for it.
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+        host.copy_(tensor, non_blocking=True)
+        copied = None
+        if tensor.is_cuda:
+            copied = torch.cuda.Event()
+            copied.record()
+        self.pending = (host, copied)
+        return previous
+
+
 FULL = StateDictOptions(full_state_dict=True)
 FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
 CORE_KEYS = {"model", "optimizer", "scheduler", "scaler", "epoch", "batches_done", "step", "config", "rng", "states"}

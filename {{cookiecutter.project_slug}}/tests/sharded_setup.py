@@ -22,11 +22,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from data import DataConfig
 from engine.config import load_config
 from engine.distributed import cleanup_distributed, init_distributed_mode
-from engine.host import set_host_allocator
 from engine.parallel import build_and_wrap
 from engine.parts import build_parts
 from engine.seeding import seed_everything
 from engine.sharded import save_sharded, sharded_state_dict
+from engine.training import set_host_allocator
 from model import BLOCKS, MLPBlock, ModelConfig, build_model
 from recipe import OptimConfig, build_optimizer
 

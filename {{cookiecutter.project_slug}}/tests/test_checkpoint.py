@@ -27,11 +27,9 @@ from engine.checkpoint import (
 )
 from engine.config import Config
 from engine.distributed import DistEnv
-from engine.divergence import NonFiniteGuard
 from engine.files import WriteErrors
-from engine.precision import build_grad_scaler
 from engine.seeding import capture_rng_state
-from engine.training import TrainState
+from engine.training import NonFiniteGuard, TrainState, build_grad_scaler
 
 MLP = reference_task().model.MLP
 RECIPE = reference_task().recipe

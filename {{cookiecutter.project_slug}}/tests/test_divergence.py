@@ -7,8 +7,15 @@ import torch
 from conftest import reference_config, reference_task
 from engine.checkpoint import Checkpointer
 from engine.distributed import DistEnv
-from engine.divergence import FOLD_EVERY, MIN_FP16_SCALE, DivergedError, LaggedValue, NonFiniteGuard
-from engine.training import TrainState, optimizer_step
+from engine.training import (
+    FOLD_EVERY,
+    MIN_FP16_SCALE,
+    DivergedError,
+    LaggedValue,
+    NonFiniteGuard,
+    TrainState,
+    optimizer_step,
+)
 
 CPU = torch.device("cpu")
 

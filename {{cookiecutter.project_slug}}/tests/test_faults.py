@@ -35,8 +35,10 @@ from conftest import (
     wait_for_line,
 )
 from engine.checkpoint import load_checkpoint, save_checkpoint, step_checkpoints
-from engine.preemption import NoteComparison
-from engine.run_lock import pid_alive  # alive and not a zombie (an orphan may wait unreaped)
+from engine.lifecycle import (
+    NoteComparison,
+    pid_alive,  # alive and not a zombie (an orphan may wait unreaped)
+)
 
 pytestmark = pytest.mark.slow  # processes killed, stopped and resumed in every way: CI runs these (pytest -m slow)
 

@@ -514,7 +514,7 @@ def build_model(cfg) -> nn.Module:
 FIRST_STEP_HEAP = """
 import json, os, runpy, sys
 import engine.distributed, engine.training
-from engine.host import c_heap_mib
+from engine.training import c_heap_mib
 
 held = {}
 real_init, real_forward_backward = engine.distributed.init_distributed_mode, engine.training.forward_backward

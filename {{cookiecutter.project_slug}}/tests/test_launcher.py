@@ -16,8 +16,8 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from conftest import FAST, children, clean_env, finish, last_wins, machinery_project, wait_for_line
 from engine.launch import exit_code, failure_line, likely_cause
+from engine.lifecycle import pid_alive
 from engine.logs import write_last_word
-from engine.run_lock import pid_alive
 
 
 def start_launcher(args: list) -> subprocess.Popen:

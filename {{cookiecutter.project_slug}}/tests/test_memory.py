@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import FAST, STRATEGIES, machinery_project, read_metrics, reference_task, run_script
-from engine.host import freeze_setup_objects
 from engine.parallel import checkpoint_activations
+from engine.training import freeze_setup_objects
 
 reference_model = reference_task().model
 BLOCKS, MLP, small_image_resnet18 = reference_model.BLOCKS, reference_model.MLP, reference_model.small_image_resnet18
@@ -46,7 +46,7 @@ def test_every_load_during_resume_is_cpu_mapped_and_weights_only(tmp_path):
 
 STEP_FAULTS = """
 import json, resource, sys, torch
-from engine.host import set_host_allocator
+from engine.training import set_host_allocator
 
 torch.manual_seed(0)
 layer = torch.nn.Conv2d(3, 16, 3, padding=1)
@@ -115,7 +115,7 @@ def test_garbage_collections_after_setup_skip_setup_objects():
 
 HEAP_FIGURES = """
 import json, torch
-from engine.host import c_heap_mib, set_host_allocator
+from engine.training import c_heap_mib, set_host_allocator
 
 set_host_allocator()
 before = c_heap_mib()

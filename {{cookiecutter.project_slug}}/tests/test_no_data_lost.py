@@ -12,8 +12,8 @@ import torch
 from conftest import FAST, finish, read_metrics, run_script, start_script, wait_for_line
 from engine.errors import UsageError
 from engine.files import append_json_line
+from engine.lifecycle import RunLock
 from engine.logs import report_errors
-from engine.run_lock import RunLock
 
 TWO_EPOCHS = [*FAST, "data.train_size=256", "train.epochs=2"]
 

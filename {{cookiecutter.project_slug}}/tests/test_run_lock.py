@@ -12,8 +12,8 @@ import time
 import pytest
 
 from conftest import FAST, children, run_script, start_script, wait_for_line
-from engine import run_lock
-from engine.run_lock import LOCK_NAME, STALE_S, OutputDirInUse, RunLock
+from engine import lifecycle
+from engine.lifecycle import LOCK_NAME, STALE_S, OutputDirInUse, RunLock
 
 LONG = [*FAST, "data.train_size=8192", "train.log_every_steps=1", "train.epochs=50"]
 # The multi-node command of the README on one node: a fixed run id, each launch its own store.
@@ -108,7 +108,7 @@ def test_a_lock_of_a_killed_process_not_yet_reaped_is_taken_over(tmp_path):
     zombie = subprocess.Popen(["true"])  # not waited for: a zombie once it exits
     try:
         deadline = time.monotonic() + 10
-        while not run_lock.zombie(zombie.pid) and time.monotonic() < deadline:
+        while not lifecycle.zombie(zombie.pid) and time.monotonic() < deadline:
             time.sleep(0.01)
         lock_held_by(tmp_path, host=os.uname().nodename, pid=zombie.pid)
         RunLock(tmp_path).acquire().release()
@@ -222,8 +222,8 @@ def test_the_same_run_id_from_another_store_and_host_is_watched(tmp_path, monkey
     """Rank 0 of an elastic restart may come up on another node, with a new store; so may
     rank 0 of a second launch with the same --rdzv_id. A heartbeat tells them apart."""
     as_torchrun_rank_0(monkeypatch, store=("node-3", "5050"))
-    monkeypatch.setattr(run_lock, "STALE_S", 3.0)
-    monkeypatch.setattr(run_lock, "WATCH_S", 0.1)
+    monkeypatch.setattr(lifecycle, "STALE_S", 3.0)
+    monkeypatch.setattr(lifecycle, "WATCH_S", 0.1)
     path = lock_held_by(tmp_path, launch="torchrun:f00d@node-0:4711", age_s=1.0)
     if alive:
         heartbeat = threading.Thread(target=beating, args=(path,))

@@ -1,4 +1,4 @@
-"""Streaming training data (engine/stream.py) and runs counted in steps.
+"""Streaming training data (engine/loader.py) and runs counted in steps.
 
 The stream is tests/stream_task: the regression task's points read from a folder of 7
 shards of uneven sizes, the shards shuffled per epoch, split across ranks and DataLoader

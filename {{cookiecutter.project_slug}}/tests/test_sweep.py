@@ -22,7 +22,7 @@ from conftest import (
     start_script,
     wait_for_line,
 )
-from engine.run_lock import pid_alive
+from engine.lifecycle import pid_alive
 
 pytestmark = pytest.mark.slow  # sweeps of real runs, stopped by signals: CI runs these (pytest -m slow)
 
@@ -287,7 +287,7 @@ time.sleep(120)
 """
 SUPERVISES = """
 import sys
-from engine.preemption import Supervisor
+from engine.lifecycle import Supervisor
 with Supervisor() as supervisor:
     print("ended:", supervisor.run([sys.executable, "-c", sys.argv[1]]), supervisor.stop_signal, flush=True)
 """

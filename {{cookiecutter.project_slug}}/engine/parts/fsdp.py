@@ -23,10 +23,9 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from engine import sharded
 from engine.distributed import DistEnv, is_main, stop_all_if_any_fails
 from engine.errors import TaskError
-from engine.host import M_MMAP_THRESHOLD
 from engine.parallel import prepare_modules
 from engine.parts import Part
-from engine.precision import AMP_DTYPES
+from engine.training import AMP_DTYPES, M_MMAP_THRESHOLD
 
 FOLDERS = sharded  # reads and writes checkpoint folders, for any run of this project (DDP resumes them too)
 FROM_RANK_0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)

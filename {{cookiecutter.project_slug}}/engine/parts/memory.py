@@ -32,9 +32,9 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from engine.distributed import gather_objects_on_main, get_rank, is_main, parse_dist_env
-from engine.host import c_heap_mib
 from engine.logs import log
 from engine.parts import Part
+from engine.training import c_heap_mib
 
 
 def build(cfg, env) -> "MemoryReport":

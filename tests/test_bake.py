@@ -209,6 +209,7 @@ PART_WORDS = {
     "memory_report": [r"memory report", r"memory table", r"nvidia-ml-py", r"NVML"],
     "throughput": [r"\bMFU\b", r"peak_tflops", r"count_items"],
     "run_record": [r"provenance", r"train\.log\b", r"git commit"],
+    "pretrained": [r"\bpretrained\b", r"\bPretrained\b"],
     "launcher": [r"engine\.launch"],
     "fsdp": [r"\bfsdp\b", r"\bFSDP\b", r"sharded"],
 }
@@ -245,13 +246,15 @@ def test_a_part_answered_no_leaves_no_file_config_key_or_line_of_text(tmp_path):
     gone = full_files - bare_files
     assert bare_files <= full_files and gone, gone
     parts_files = ("engine/parts/", "tests/test_", "tests/sharded_", "docs/")
-    parts_files += tuple(f"engine/{name}.py" for name in ("launch", "sharded", "throughput", "run_record"))
+    part_modules = ("launch", "sharded", "throughput", "run_record", "pretrained")
+    parts_files += tuple(f"engine/{name}.py" for name in part_modules)
     assert all(name.startswith(parts_files) for name in gone), gone
     assert sorted(p.name for p in (bare / "engine" / "parts").iterdir()) == ["__init__.py"]
 
     full_keys, bare_keys = print_config_keys(full), print_config_keys(bare)
     part_sections = {"ema.", "early_stopping.", "freeze.", "profiler.", "tracking.", "fsdp."}
-    part_keys = {"train.peak_tflops", "provenance"}  # the throughput and run_record parts' keys elsewhere
+    # The throughput, run_record and pretrained parts' keys in other sections.
+    part_keys = {"train.peak_tflops", "provenance", "model.pretrained"}
     assert {key for key in full_keys if key.startswith(tuple(part_sections))}  # the default bake has them
     assert part_keys <= full_keys
     assert bare_keys == {key for key in full_keys if not key.startswith(tuple(part_sections))} - part_keys

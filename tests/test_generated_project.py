@@ -79,7 +79,8 @@ PART_CODE = {
     *(f"engine/{name}.py" for name in ("parallel", "training", "parts/__init__")),
     "tests/reference_task/train.py",
     "tests/reference_task/recipe.py",
-    *(f"tests/test_{name}.py" for name in ("checkpoint", "common_changes", "config", "divergence")),
+    "tests/reference_task/model.py",  # the example's count_items (throughput) and model.pretrained
+    *(f"tests/test_{name}.py" for name in ("checkpoint", "common_changes", "config", "divergence", "task_interface")),
 }
 
 

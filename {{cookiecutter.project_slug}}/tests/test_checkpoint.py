@@ -523,7 +523,11 @@ def test_a_run_resumes_after_its_model_config_grew_a_defaulted_field(tmp_path):
     args = [*FAST, "data.train_size=128", f"output_dir={out}"]
     run_script("train.py", [*args, "train.epochs=1"], cwd=project)
     model_py = project / "model.py"
+{%- if cookiecutter.pretrained %}
     old_field = '    pretrained: str = ""'
+{%- else %}
+    old_field = "    dropout: float = 0.0  # mlp only"
+{%- endif %}
     assert old_field in model_py.read_text()
     model_py.write_text(model_py.read_text().replace(old_field, f"{old_field}\n    bias: bool = True", 1))
     result = run_script("train.py", [*args, "train.epochs=2"], cwd=project)

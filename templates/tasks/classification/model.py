@@ -26,7 +26,9 @@ device. Both steps run under autocast when train.precision is bf16 or fp16.
 """
 
 from dataclasses import dataclass
+{%- if cookiecutter.pretrained %}
 from typing import ClassVar
+{%- endif %}
 
 import torch.nn as nn
 import torch.nn.functional as F
@@ -35,7 +37,9 @@ from torchvision.models.resnet import BasicBlock
 
 from data import count_classes
 from engine import ConfigError, Mean, check_positive
+{%- if cookiecutter.pretrained %}
 from engine.pretrained import load_pretrained
+{%- endif %}
 
 
 @dataclass
@@ -43,18 +47,22 @@ class ModelConfig:
     name: str = "resnet18"  # resnet18 (BatchNorm) | mlp (small, fast on CPU)
     hidden_dim: int = 256  # mlp only
     dropout: float = 0.0  # mlp only
+{%- if cookiecutter.pretrained %}
     pretrained: str = ""  # resnet18 only: torchvision weights to start from, e.g. ResNet18_Weights.DEFAULT
 
     may_change_on_resume: ClassVar[tuple[str, ...]] = ("pretrained",)  # the start only: a checkpoint has the weights
+{%- endif %}
 
     def __post_init__(self):
         if self.name not in ("resnet18", "mlp"):
             raise ConfigError(f"unknown model.name {self.name!r}: choose resnet18 or mlp, or add yours in model.py")
         check_positive("model.hidden_dim", self.hidden_dim)
+{%- if cookiecutter.pretrained %}
         if self.pretrained and self.name != "resnet18":
             raise ConfigError(
                 f"model.pretrained is for resnet18, not {self.name}; set model.name=resnet18 or leave it empty"
             )
+{%- endif %}
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
 
@@ -80,10 +88,14 @@ BLOCKS = (BasicBlock, MLPBlock)
 def build_model(cfg) -> nn.Module:
     num_classes = count_classes(cfg)
     if cfg.model.name == "resnet18":
+{%- if cookiecutter.pretrained %}
         model = small_image_resnet18(num_classes)
         if cfg.model.pretrained:  # the small-image stem and a classifier for num_classes stay fresh
             load_pretrained(model, cfg.model.pretrained)
         return model
+{%- else %}
+        return small_image_resnet18(num_classes)
+{%- endif %}
     in_features = 3 * cfg.data.image_size**2
     return MLP(in_features, cfg.model.hidden_dim, num_classes, cfg.model.dropout)
 

@@ -76,9 +76,9 @@ def main(argv=None) -> int:
         return 0
     env, device = init_distributed_mode(cfg.dist, Path(cfg.output_dir) / "flight_recorder")
     parts = build_parts(cfg, env)  # the optional features the config turns on (engine/parts)
-    # What each step frees: kept for the next, or given back where a part says so (FSDP). Set
+    # What each step frees: kept for the next{{ ", or given back where a part says so (FSDP)" if cookiecutter.fsdp }}. Set
     # before the model is built, so that what setup frees is handled the same way.
-    set_host_allocator(parts)
+    set_host_allocator({{ 'parts' if cookiecutter.fsdp }})
     lock, loaders = None, ()
     try:
         with stop_all_if_any_fails(device):
@@ -101,8 +101,12 @@ def main(argv=None) -> int:
         rng_restored = checkpointer.resume(state)
         if cfg.train.sanity_check:
             sanity_check(state, val_loader, cfg, checkpointer)
+{%- if cookiecutter.tracking %}
         # Rank 0's log and the parts' records, e.g. trackers (a QuietLog elsewhere), closed at the
         # end: their runs as failed on an error.
+{%- else %}
+        # Rank 0's log (a QuietLog elsewhere).
+{%- endif %}
         with start_run_log(cfg, env, state, loaders{{ ', provenance' if cookiecutter.run_record }}) as run_log:
             # A hang fails the run after dist.step_timeout_minutes once the first step is done.
             shorten_timeout_after_first_step(state.optimizer, cfg.dist.step_timeout_minutes, [stop.group])
@@ -213,9 +217,14 @@ def sanity_check(state: TrainState, val_loader, cfg, checkpointer: Checkpointer)
 
 
 def start_run_log(cfg, env, state: TrainState, loaders{{ ', provenance: dict' if cookiecutter.run_record }}) -> RunLog | QuietLog:
+{%- if cookiecutter.tracking %}
     """On rank 0: save the resolved config, say what runs, open the run's log and its
     trackers; a QuietLog elsewhere. An unwritable output_dir or a tracker that cannot start
     stops every rank here. Every rank must call this."""
+{%- else %}
+    """On rank 0: save the resolved config, say what runs, open the run's log; a QuietLog
+    elsewhere. An unwritable output_dir stops every rank here. Every rank must call this."""
+{%- endif %}
     run_log, (train_loader, val_loader) = QuietLog(), loaders
     per_step = effective_batch(cfg.train, env.world_size)
     with stop_all_if_any_fails(state.device):

@@ -95,12 +95,21 @@ def freeze_setup_objects() -> None:
     """
     gc.collect()
     gc.freeze()
+{%- if cookiecutter.fsdp %}
 
 
 def set_host_allocator(parts=()) -> bool:
     """Fix glibc's allocator thresholds for the training steps: a part's own settings
     (`Part.host_allocator`, e.g. FSDP's), else STEPS_REUSE_FREED. Returns whether they
     were set: not where the launch set them, nor with another C library.
+{%- else %}
+
+
+def set_host_allocator() -> bool:
+    """Fix glibc's allocator thresholds for the training steps (STEPS_REUSE_FREED).
+    Returns whether they were set: not where the launch set them, nor with another C
+    library.
+{%- endif %}
 
     With glibc's defaults, a block above an adaptive threshold (at most 32 MiB) gets its
     own mmap and goes back to the kernel when freed, and the threshold rises to the size
@@ -121,7 +130,11 @@ def set_host_allocator(parts=()) -> bool:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)  # the C library this process already runs on
+{%- if cookiecutter.fsdp %}
     settings = next((part.host_allocator for part in parts if part.host_allocator), STEPS_REUSE_FREED)
+{%- else %}
+    settings = STEPS_REUSE_FREED
+{%- endif %}
     return all([libc.mallopt(parameter, value) for parameter, value in settings.items()])
 
 

@@ -1,6 +1,6 @@
 """Each rank's peak RSS during setup, training and a checkpoint save, through the
 generated project's own functions and settings (train.py's setup, its host-memory
-setting, an epoch of train_one_epoch, Checkpointer.save). Run by bench.py in a baked
+setting, an epoch of Run.train_epoch, Checkpointer.save). Run by bench.py in a baked
 project, on one process or under torchrun:
 
   python memory_phases.py OUT.json section.key=value ...
@@ -28,12 +28,12 @@ import train  # noqa: E402
 from data import count_classes  # noqa: E402
 from engine.checkpoint import Checkpointer  # noqa: E402
 from engine.distributed import cleanup_distributed, init_distributed_mode  # noqa: E402
-from engine.training import set_host_allocator  # noqa: E402
+from engine.lifecycle import StopRequest  # noqa: E402
 from engine.logs import QuietLog  # noqa: E402
 from engine.parts import build_parts  # noqa: E402
 from engine.parts.memory import train_state_mib  # noqa: E402
-from engine.lifecycle import StopRequest  # noqa: E402
 from engine.sharded import sharded_state_dict  # noqa: E402
+from engine.training import set_host_allocator  # noqa: E402
 from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
 
 DEPTH, WIDTH = 24, 2048
@@ -79,12 +79,12 @@ def main(out: str, overrides: list[str]) -> None:
     checkpointer = Checkpointer(cfg, env, device)
     parts = build_parts(cfg, env)
     sharded = any(part.shards_model for part in parts)
-    train_loader, _, state = train.load_train_objs(cfg, env, device, checkpointer, parts, None)
+    train_loader, val_loader, state = train.load_train_objs(cfg, env, device, checkpointer, parts, None)
     row["setup_peak_mib"] = status_mib("VmHWM")
     stop = StopRequest(cfg.dist.timeout_minutes, cfg.train.stop_at_step).install(env.launcher)
     set_host_allocator(parts)  # as train.py, after setup
     reset_peak()
-    train.train_one_epoch(state, train_loader, cfg, stop, checkpointer, QuietLog())
+    train.Run(cfg, env, state, (train_loader, val_loader), checkpointer, stop, QuietLog()).train_epoch()
     row["step_peak_mib"] = status_mib("VmHWM")
     row |= train_state_mib(state.model, state.optimizer)
     reset_peak()

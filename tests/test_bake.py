@@ -208,7 +208,7 @@ PART_WORDS = {
     "tracking": [r"\btracking\b", r"TensorBoard", r"tensorboard", r"W&B", r"wandb", r"MLflow", r"mlflow"],
     "memory_report": [r"memory report", r"memory table", r"nvidia-ml-py", r"NVML"],
     "throughput": [r"\bMFU\b", r"peak_tflops", r"count_items"],
-    "run_record": [r"provenance", r"train\.log\b", r"git commit"],
+    "run_record": [r"provenance", r"train\.log\b", r"git commit", r"flight.recorder"],
     "pretrained": [r"\bpretrained\b", r"\bPretrained\b"],
     "launcher": [r"engine\.launch"],
     "fsdp": [r"\bfsdp\b", r"\bFSDP\b", r"sharded"],
@@ -254,7 +254,7 @@ def test_a_part_answered_no_leaves_no_file_config_key_or_line_of_text(tmp_path):
     full_keys, bare_keys = print_config_keys(full), print_config_keys(bare)
     part_sections = {"ema.", "early_stopping.", "freeze.", "profiler.", "tracking.", "fsdp."}
     # The throughput, run_record and pretrained parts' keys in other sections.
-    part_keys = {"train.peak_tflops", "provenance", "model.pretrained"}
+    part_keys = {"train.peak_tflops", "provenance", "dist.flight_recorder_entries", "model.pretrained"}
     assert {key for key in full_keys if key.startswith(tuple(part_sections))}  # the default bake has them
     assert part_keys <= full_keys
     assert bare_keys == {key for key in full_keys if not key.startswith(tuple(part_sections))} - part_keys
@@ -264,3 +264,24 @@ def test_a_part_answered_no_leaves_no_file_config_key_or_line_of_text(tmp_path):
             for part, words in PART_WORDS.items():
                 found = [word for word in words if re.search(word, line)]
                 assert not found, f"{path.relative_to(bare)}:{number} names the {part} part: {line}"
+
+
+# What the core of a bake without parts must not name: a "no" removes the code that served
+# the part, not only its module. The one line refusing a sharded folder may name the answer.
+CORE_NAMES = re.compile(r"\b(ema|EMA|W&B|wandb|mlflow|MLflow|fsdp|FSDP|profiler|freezing|pretrained)\b")
+ALLOWED = ("come with the fsdp answer when it is generated",)
+
+
+def test_the_core_of_a_bake_without_parts_names_none_of_them(tmp_path):
+    bare = bake(tmp_path, **WITHOUT_PARTS)
+    core = [
+        *sorted((bare / "engine").rglob("*.py")),
+        *(bare / name for name in ("train.py", "recipe.py", "evaluate.py")),
+    ]
+    named = [
+        f"{path.relative_to(bare)}:{number}: {line.strip()}"
+        for path in core
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if CORE_NAMES.search(line) and not any(allowed in line for allowed in ALLOWED)
+    ]
+    assert named == []

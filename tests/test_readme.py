@@ -17,7 +17,7 @@ PARTS = {
     "tracking": ("tracking.md", r"tensorboard|wandb|weights & biases|mlflow|\btracking[.:]"),
     "memory_report": ("memory.md", r"memory (table|report)|nvidia-ml-py|\bNVML\b|\.\[gpu\]|(?<![\w-])memory\.md"),
     "throughput": (None, r"\bMFU\b|peak_tflops|count_items|model_tflops"),  # a section of outputs.md
-    "run_record": (None, r"provenance|train\.log\b|git (commit|state)"),  # a section of outputs.md
+    "run_record": (None, r"provenance|train\.log\b|git (commit|state)|flight.recorder"),  # sections of outputs.md
     "pretrained": ("pretrained.md", r"pretrained|ResNet18_Weights|TORCH_HOME"),
     "launcher": (None, r"engine\.launch"),  # a section of launch.md, no page of its own
     "fsdp": ("fsdp.md", r"\bfsdp|sharded"),

@@ -45,7 +45,7 @@ from engine.distributed import (
     stop_all_if_any_fails,
 )
 from engine.errors import TaskError, UsageError
-from engine.files import already_exists, open_new, private_folder, write_new_file
+from engine.files import already_exists, not_written, open_new, private_folder, write_new_file
 from engine.lifecycle import leave_stop_signals_to_the_rank
 from engine.loader import build_val_loader, move_to_device
 from engine.logs import report_errors
@@ -220,9 +220,7 @@ def join_parts(out: Path, parts: Path, plan, world_size: int) -> None:
 
         write_new_file(out, write)
     except OSError as error:
-        raise UsageError(
-            f"cannot write {str(out)!r}: {error.strerror or error}; free disk space or choose another --out"
-        ) from None
+        raise not_written(out, error, instead="another --out") from None
     finally:
         for file in files:
             file.close()

@@ -12,6 +12,7 @@ Exit codes: 0 done (or at train.stop_at_step); 75 stopped by a signal, run it ag
 """
 
 import argparse
+import enum
 import gc
 import time
 from pathlib import Path
@@ -41,7 +42,7 @@ from engine.metrics import evaluate
 from engine.parallel import build_and_wrap, memory_format{{ ', wrap_again' if cookiecutter.freezing }}
 from engine.parts import build_parts
 {% if cookiecutter.run_record %}from engine.run_record import commit_line, describe_run, header, keep_output_in
-{% endif %}from engine.seeding import capture_rng_state, derive_seed, restore_rng_state, seed_everything, set_determinism
+{% endif %}from engine.seeding import borrowed_rng, derive_seed, seed_everything, set_determinism
 {% if cookiecutter.throughput %}from engine.throughput import Throughput
 {% endif %}from engine.training import (
     EpochStats,
@@ -74,7 +75,7 @@ def main(argv=None) -> int:
     if args.print_config:
         print(format_config(cfg), end="")
         return 0
-    env, device = init_distributed_mode(cfg.dist, Path(cfg.output_dir) / "flight_recorder")
+    env, device = init_distributed_mode(cfg.dist{{ ', Path(cfg.output_dir) / "flight_recorder"' if cookiecutter.run_record }})
     parts = build_parts(cfg, env)  # the optional features the config turns on (engine/parts)
     # What each step frees: kept for the next{{ ", or given back where a part says so (FSDP)" if cookiecutter.fsdp }}. Set
     # before the model is built, so that what setup frees is handled the same way.
@@ -108,46 +109,7 @@ def main(argv=None) -> int:
         # Rank 0's log (a QuietLog elsewhere).
 {%- endif %}
         with start_run_log(cfg, env, state, loaders{{ ', provenance' if cookiecutter.run_record }}) as run_log:
-            # A hang fails the run after dist.step_timeout_minutes once the first step is done.
-            shorten_timeout_after_first_step(state.optimizer, cfg.dist.step_timeout_minutes, [stop.group])
-{%- if cookiecutter.memory_report or cookiecutter.profiler %}
-            for part in state.parts:
-                part.start(state)
-{%- endif %}
-
-            freeze_setup_objects()  # no full garbage collection pauses inside the steps
-{%- if cookiecutter.throughput %}
-            # The losses since the last evaluation, the task's items (model.py's count_items), the MFU.
-            stats = EpochStats(state.device, Throughput.of_run(cfg, state.device, getattr(task, "count_items", None)))
-{%- else %}
-            stats = EpochStats(state.device)  # the losses since the last evaluation
-{%- endif %}
-            while not run_done(state, cfg){{ ' and not state.stop_reason()' if cookiecutter.early_stopping }}:
-                if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
-                    seed_everything(derive_seed(cfg.seed, env.rank, state.epoch))
-                rng_restored = False
-{%- if cookiecutter.freezing %}
-                if any([part.start_epoch(state) for part in state.parts]):  # e.g. parameters unfrozen
-                    state.train_model = wrap_again(state.model, cfg, env, device)
-{%- else %}
-                for part in state.parts:
-                    part.start_epoch(state)
-{%- endif %}
-                if not train_one_epoch(state, loaders, cfg, stop, checkpointer, run_log, stats):
-                    started = time.monotonic()  # the save's time: what a stop needs before a time limit
-                    checkpointer.save(state)
-                    stopped = (
-                        f"stopped at step {state.step} {stop.reason(state.step)}; checkpoint saved in "
-                        f"{time.monotonic() - started:.1f} s, run the same command to continue"
-                    )
-                    run_log.log(stopped)
-                    if stop.exit_code():  # a launcher's summary shows this line, not a failure
-                        hand_to_launcher(stopped, stop.exit_code())
-                    break
-{%- if cookiecutter.early_stopping %}
-            if state.stop_reason():  # also when a resumed run had already stopped
-                run_log.log(state.stop_reason())
-{%- endif %}
+            Run(cfg, env, state, loaders, checkpointer, stop, run_log).train(rng_restored)
     finally:
         gc.unfreeze()
         if lock is not None:
@@ -210,9 +172,8 @@ def sanity_check(state: TrainState, val_loader, cfg, checkpointer: Checkpointer)
     that a mistake there, or a checkpoint.best_metric the task does not report, stops the
     run in seconds instead of after an epoch. It changes nothing: the model evaluates
     (no BatchNorm update), no optimizer steps, and every RNG is put back as it was."""
-    rng = capture_rng_state()
-    results = evaluate_weights(state, val_loader, cfg, max_batches=2)
-    restore_rng_state(rng)
+    with borrowed_rng():
+        results = evaluate_weights(state, val_loader, cfg, max_batches=2)
     checkpointer.check_best_metric(results)
 
 
@@ -289,103 +250,172 @@ def evaluate_weights(state: TrainState, val_loader, cfg, max_batches=None, stop:
     )
 
 
-def run_done(state: TrainState, cfg) -> bool:
-    """Whether the run has its length, and its last evaluation: train.max_steps steps if
-    set, else train.epochs epochs."""
-    last = cfg.train.max_steps
-    if not last:
-        return state.epoch >= cfg.train.epochs
-    return state.step > last or (state.step == last and state.evaluated_step == last)
+class Outcome(enum.Enum):
+    """How a stretch of training ended. A diverged run does not end here: it raises
+    DivergedError, which stops every rank in one line."""
+
+    GO_ON = "go on"  # the epoch is over, the run is not
+    DONE = "done"  # the run has its length{{ ", or a part ended it (early stopping)" if cookiecutter.early_stopping }}
+    STOPPED = "stopped"  # asked to stop (a signal, train.stop_at_step): saved, the same command continues
 
 
-def evaluation_due(state: TrainState, cfg) -> bool:
-    """Within an epoch: every train.eval_every_steps steps, and at train.max_steps."""
-    every, last = cfg.train.eval_every_steps, cfg.train.max_steps
-    return state.step > 0 and ((every and state.step % every == 0) or state.step == last)
+class Run:
+    """The loop's owner: the run's state, checkpointer, stop request and log, and the
+    figures since the last evaluation. Every rank holds one and calls its methods alike."""
 
-
-def train_one_epoch(state: TrainState, loaders, cfg, stop: StopRequest, checkpointer, run_log, stats) -> bool:
-    """Train from `state.batches_done` to the end of `state.epoch`, or of the run, evaluating
-    where due (`stats`: the losses since the last evaluation). False if a stop was requested."""
-    train_loader, val_loader = loaders
-    if evaluation_due(state, cfg) and state.evaluated_step != state.step:  # a stop came during it
-        if not evaluate_and_save(state, val_loader, cfg, stop, checkpointer, run_log, stats):
-            return False
-        if run_done(state, cfg){{ ' or state.stop_reason()' if cookiecutter.early_stopping }}:
-            return True
-    train_loader.set_epoch(state.epoch, start_batch=state.batches_done)
-    total = state.steps_per_epoch  # None for a stream
-    progress = run_log.progress(state.epoch, total, state.batches_done // state.accum_steps)
-    state.train_model.train()
-    try:
-        for batch in train_loader:
-            batch = move_to_device(batch, state.device, memory_format(cfg))
+    def __init__(self, cfg, env, state: TrainState, loaders, checkpointer: Checkpointer, stop: StopRequest, log):
+        self.cfg, self.env, self.state = cfg, env, state
+        self.checkpointer, self.stop, self.log = checkpointer, stop, log
+        self.train_loader, self.val_loader = loaders
 {%- if cookiecutter.throughput %}
-            with stats.throughput.counting_flops():  # the first micro-batch's, for the MFU
-                losses = forward_backward(state, batch, training_step, cfg.train.precision)  # the task's loss, backward
-            stats.add(losses, batch)
+        # The losses since the last evaluation, the task's items (model.py's count_items), the MFU.
+        self.stats = EpochStats(state.device, Throughput.of_run(cfg, state.device, getattr(task, "count_items", None)))
 {%- else %}
-            losses = forward_backward(state, batch, training_step, cfg.train.precision)  # the task's loss, backward
-            stats.add(losses)
+        self.stats = EpochStats(state.device)  # the losses since the last evaluation
 {%- endif %}
-            if not state.completes_step():
-                continue  # accumulate gradients
-            optimizer_step(state, cfg.train)
-            stats.step_done()
-            progress.update(state.step, losses["loss"], state.scheduler.get_last_lr()[0])
-            if stop.requested(state.step):  # a signal to any rank, or train.stop_at_step
-                return False
-            if state.step % cfg.train.log_every_steps == 0:
-                state.guard.check_later()  # a NaN stops every rank an interval later, or at the next save
-            if not evaluation_due(state, cfg):
-                checkpointer.save_if_due(state)  # every checkpoint.every_steps
-                continue
-            if not evaluate_and_save(state, val_loader, cfg, stop, checkpointer, run_log, stats):
-                return False
-            if run_done(state, cfg){{ ' or state.stop_reason()' if cookiecutter.early_stopping }}:
-                return True
-            state.train_model.train()
-    finally:
-        progress.close()
-    if cfg.train.eval_every_steps:  # the epoch's end is no evaluation of its own
-        state.finish_epoch()
-        return True
-    return evaluate_and_save(state, val_loader, cfg, stop, checkpointer, run_log, stats, epoch_end=True)
 
+    def train(self, rng_restored: bool) -> Outcome:
+        """Epoch after epoch, until the run is done or stopped (then with a checkpoint).
+        `rng_restored`: the resume put back the RNG of a checkpoint written mid-epoch."""
+        state, cfg = self.state, self.cfg
+        # A hang fails the run after dist.step_timeout_minutes once the first step is done.
+        shorten_timeout_after_first_step(state.optimizer, cfg.dist.step_timeout_minutes, [self.stop.group])
+{%- if cookiecutter.memory_report or cookiecutter.profiler %}
+        for part in state.parts:
+            part.start(state)
+{%- endif %}
+        freeze_setup_objects()  # no full garbage collection pauses inside the steps
+        self.stats.reset()  # the clock starts with the steps
+        outcome = Outcome.DONE if self.done() else Outcome.GO_ON
+        while outcome is Outcome.GO_ON:
+            if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
+                seed_everything(derive_seed(cfg.seed, self.env.rank, state.epoch))
+            rng_restored = False
+{%- if cookiecutter.freezing %}
+            if any([part.start_epoch(state) for part in state.parts]):  # e.g. parameters unfrozen
+                state.train_model = wrap_again(state.model, cfg, self.env, state.device)
+{%- else %}
+            for part in state.parts:
+                part.start_epoch(state)
+{%- endif %}
+            outcome = self.train_epoch()
+        if outcome is Outcome.STOPPED:
+            self.save_stopped()
+{%- if cookiecutter.early_stopping %}
+        elif state.stop_reason():  # also when a resumed run had already stopped
+            self.log.log(state.stop_reason())
+{%- endif %}
+        return outcome
 
-def evaluate_and_save(state, val_loader, cfg, stop, checkpointer, run_log, stats, epoch_end=False) -> bool:
-    """Evaluate the model, write its metrics row, save it (best.pt too if it is the best
-    so far). Every rank must call this. False if a stop came during the evaluation: then
-    the state is as before it, for a checkpoint from which the next run evaluates again.
-    The RNG is put back as it was: how often the run evaluates changes nothing of its training."""
-    train_metrics = stats.summary(cfg.train.batch_size)  # before the evaluation: its time is not training's
-    start = time.perf_counter()
-    rng = capture_rng_state()
-    val_metrics = evaluate_weights(state, val_loader, cfg, stop=stop)
-    restore_rng_state(rng)
-    if val_metrics is None:
-        which = f"of epoch {state.epoch}" if epoch_end else f"at step {state.step}"
-        run_log.log(f"the evaluation {which} stopped; the next run evaluates it again")
-        return False
-    row = {"epoch": state.epoch, "step": state.step, **train_metrics, **val_metrics}
+    def done(self) -> bool:
+        """Whether the run has its length, and its last evaluation: train.max_steps steps if
+        set, else train.epochs epochs{{ "; or a part ended it (early stopping)" if cookiecutter.early_stopping }}."""
+        state, last = self.state, self.cfg.train.max_steps
+{%- if cookiecutter.early_stopping %}
+        if state.stop_reason():
+            return True
+{%- endif %}
+        if not last:
+            return state.epoch >= self.cfg.train.epochs
+        return state.step > last or (state.step == last and state.evaluated_step == last)
+
+    def evaluation_due(self) -> bool:
+        """Within an epoch: every train.eval_every_steps steps, and at train.max_steps."""
+        step, every, last = self.state.step, self.cfg.train.eval_every_steps, self.cfg.train.max_steps
+        return step > 0 and ((every and step % every == 0) or step == last)
+
+    def train_epoch(self) -> Outcome:
+        """Train from `state.batches_done` to the end of `state.epoch`, or of the run,
+        evaluating where due."""
+        state, cfg = self.state, self.cfg
+        if self.evaluation_due() and state.evaluated_step != state.step:  # a stop came during it
+            outcome = self.evaluate_and_save()
+            if outcome is not Outcome.GO_ON:
+                return outcome
+        self.train_loader.set_epoch(state.epoch, start_batch=state.batches_done)
+        progress = self.log.progress(state.epoch, state.steps_per_epoch, state.batches_done // state.accum_steps)
+        state.train_model.train()
+        try:
+            for batch in self.train_loader:
+                batch = move_to_device(batch, state.device, memory_format(cfg))
+{%- if cookiecutter.throughput %}
+                with self.stats.throughput.counting_flops():  # the first micro-batch's, for the MFU
+                    losses = forward_backward(state, batch, training_step, cfg.train.precision)  # the loss, backward
+                self.stats.add(losses, batch)
+{%- else %}
+                losses = forward_backward(state, batch, training_step, cfg.train.precision)  # the task's loss, backward
+                self.stats.add(losses)
+{%- endif %}
+                if not state.completes_step():
+                    continue  # accumulate gradients
+                optimizer_step(state, cfg.train)
+                self.stats.step_done()
+                progress.update(state.step, losses["loss"], state.scheduler.get_last_lr()[0])
+                if self.stop.requested(state.step):  # a signal to any rank, or train.stop_at_step
+                    return Outcome.STOPPED
+                if state.step % cfg.train.log_every_steps == 0:
+                    state.guard.check_later()  # a NaN stops every rank an interval later, or at the next save
+                if not self.evaluation_due():
+                    self.checkpointer.save_if_due(state)  # every checkpoint.every_steps
+                    continue
+                outcome = self.evaluate_and_save()
+                if outcome is not Outcome.GO_ON:
+                    return outcome
+                state.train_model.train()
+        finally:
+            progress.close()
+        if cfg.train.eval_every_steps:  # the epoch's end is no evaluation of its own
+            state.finish_epoch()
+            return Outcome.DONE if self.done() else Outcome.GO_ON
+        return self.evaluate_and_save(epoch_end=True)
+
+    def evaluate_and_save(self, epoch_end=False) -> Outcome:
+        """Evaluate the model, write its metrics row, save it (best.pt too if it is the best
+        so far). STOPPED if a stop came during the evaluation: then the state is as before
+        it, for a checkpoint from which the next run evaluates again. The RNG is put back as
+        it was: how often the run evaluates changes nothing of its training."""
+        state = self.state
+        train_metrics = self.stats.summary(self.cfg.train.batch_size)  # before the evaluation: not training time
+        start = time.perf_counter()
+        with borrowed_rng():
+            val_metrics = evaluate_weights(state, self.val_loader, self.cfg, stop=self.stop)
+        if val_metrics is None:
+            which = f"of epoch {state.epoch}" if epoch_end else f"at step {state.step}"
+            self.log.log(f"the evaluation {which} stopped; the next run evaluates it again")
+            return Outcome.STOPPED
+        row = {"epoch": state.epoch, "step": state.step, **train_metrics, **val_metrics}
 {%- if cookiecutter.memory_report %}
-    for part in state.parts:
-        row |= part.epoch_figures(state)  # e.g. every rank's memory
+        for part in state.parts:
+            row |= part.epoch_figures(state)  # e.g. every rank's memory
 {%- endif %}
-    # outside_train_s: the evaluation's time, and the parts' (e.g. the memory report's).
-    row |= {"lr": state.scheduler.get_last_lr()[0], "outside_train_s": time.perf_counter() - start}
-    # The row before the checkpoint: if the save fails, the next run trains again from the
-    # previous checkpoint and rewinds metrics.jsonl to it (RunLog).
-    with stop_all_if_any_fails(state.device):
-        run_log.write_epoch(row)
-    for part in state.parts:
-        part.after_evaluation(state, val_metrics)  # before the save, which keeps e.g. early stopping's count
-    state.evaluated_step = state.step
-    if epoch_end:
-        state.finish_epoch()
-    checkpointer.save(state, val_metrics)  # best.pt by checkpoint.best_metric
-    stats.reset()
-    return True
+        # outside_train_s: the evaluation's time{{ ", and the parts' (e.g. the memory report's)" if cookiecutter.memory_report }}.
+        row |= {"lr": state.scheduler.get_last_lr()[0], "outside_train_s": time.perf_counter() - start}
+        # The row before the checkpoint: if the save fails, the next run trains again from the
+        # previous checkpoint and rewinds metrics.jsonl to it (RunLog).
+        with stop_all_if_any_fails(state.device):
+            self.log.write_epoch(row)
+        for part in state.parts:
+            part.after_evaluation(state, val_metrics)  # before the save, which keeps a part's state
+        state.evaluated_step = state.step
+        if epoch_end:
+            state.finish_epoch()
+        self.checkpointer.save(state, val_metrics)  # best.pt by checkpoint.best_metric
+        self.stats.reset()
+        return Outcome.DONE if self.done() else Outcome.GO_ON
+
+    def save_stopped(self) -> None:
+        """The stop's checkpoint, and the line that says how to continue (to a launcher's
+        summary too, instead of a failure)."""
+        started = time.monotonic()  # the save's time: what a stop needs before a time limit
+        self.checkpointer.save(self.state)
+        step = self.state.step
+        stopped = (
+            f"stopped at step {step} {self.stop.reason(step)}; checkpoint saved in "
+            f"{time.monotonic() - started:.1f} s, run the same command to continue"
+        )
+        self.log.log(stopped)
+        if self.stop.exit_code():
+            hand_to_launcher(stopped, self.stop.exit_code())
 
 
 if __name__ == "__main__":

@@ -57,7 +57,7 @@ PREFIXES = ("module.", "_orig_mod.")  # added by DDP and torch.compile wrappers
 # Written in every checkpoint as "format_version"; raise it when what a checkpoint holds,
 # or what it means, changes, so that an older engine refuses a newer checkpoint in one line
 # instead of misreading it. A checkpoint without it was written in format 1.
-# Format 2: the optimizer's settings in the config's optim section (optim.lr and the like
+# Format 2: the optimizer's settings in the config's optim section (train.lr and the like
 # before), registered states under "states", and "weight_sets" naming the parts' weights.
 CHECKPOINT_FORMAT = 2
 SHAPE = ("batch_size", "accum_steps")  # train's keys that, with the world size, decide the data's order

@@ -99,7 +99,9 @@ class DistConfig:
     backend: str = "auto"  # auto (nccl on CUDA, else gloo) | nccl | gloo
     timeout_minutes: float = 30.0  # until the first step: a collective waiting longer fails the run
     step_timeout_minutes: float = 10.0  # after it (a hang costs this long): cover a save and an evaluation
+{%- if cookiecutter.run_record %}
     flight_recorder_entries: int = 2000  # collectives each rank keeps for output_dir/flight_recorder (0: off)
+{%- endif %}
     sync_bn: bool = True  # BatchNorm -> SyncBatchNorm (CUDA with more than one process only)
     find_unused_parameters: bool = False  # DDP: allow parameters that get no gradient in a step
     static_graph: bool = False  # DDP: the graph never changes between steps (enables optimisations)
@@ -110,7 +112,9 @@ class DistConfig:
         for key in ("timeout_minutes", "step_timeout_minutes"):
             check_positive(f"dist.{key}", getattr(self, key))
             check_at_most(f"dist.{key}", getattr(self, key), MAX_MINUTES)
+{%- if cookiecutter.run_record %}
         check_positive("dist.flight_recorder_entries", self.flight_recorder_entries, allow_zero=True)
+{%- endif %}
         check_positive("dist.bucket_cap_mb", self.bucket_cap_mb)
 
 

@@ -18,8 +18,8 @@ import socket
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-from pathlib import Path
-
+{% if cookiecutter.run_record %}from pathlib import Path
+{% endif %}
 import torch
 import torch.distributed as dist
 
@@ -221,11 +221,18 @@ def select_device(env: DistEnv, cuda_available: bool, device_count: int = 0) -> 
             "(start one process per GPU: --nproc_per_node / --ntasks-per-node)"
         )
     return torch.device("cuda", env.local_rank)
+{%- if cookiecutter.run_record %}
 
 
 def init_distributed_mode(cfg: DistConfig, trace_dir: Path | None = None) -> tuple[DistEnv, torch.device]:
     """Bind this process to its device, then join the process group (if launched).
     `trace_dir`: where each rank's flight recorder goes when a collective fails."""
+{%- else %}
+
+
+def init_distributed_mode(cfg: DistConfig) -> tuple[DistEnv, torch.device]:
+    """Bind this process to its device, then join the process group (if launched)."""
+{%- endif %}
     env = parse_dist_env(os.environ)
     cuda = torch.cuda.is_available()
     device = select_device(env, cuda, torch.cuda.device_count() if cuda else 0)
@@ -234,12 +241,14 @@ def init_distributed_mode(cfg: DistConfig, trace_dir: Path | None = None) -> tup
         torch.cuda.set_device(device)
     if env.distributed:
         check_gloo_address(socket.gethostname(), multi_node(os.environ), os.environ)
-        os.environ.update(process_group_env(os.environ, cfg.flight_recorder_entries, trace_dir))
+        os.environ.update(process_group_env(os.environ{{ ', cfg.flight_recorder_entries, trace_dir' if cookiecutter.run_record }}))
         if notice := waiting_notice(env, cfg.timeout_minutes):
             print(notice, file=sys.stderr, flush=True)
+{%- if cookiecutter.run_record %}
         if trace_dir is not None:  # NCCL's watchdog writes there, but does not make the folder
             with contextlib.suppress(OSError):  # an unwritable output_dir is reported after the lock
                 trace_dir.mkdir(parents=True, exist_ok=True)
+{%- endif %}
         dist.init_process_group(
             backend=select_backend(cfg.backend, cuda),
             init_method=init_method(env),
@@ -249,6 +258,7 @@ def init_distributed_mode(cfg: DistConfig, trace_dir: Path | None = None) -> tup
             device_id=device if device.type == "cuda" else None,
         )
     return env, device
+{%- if cookiecutter.run_record %}
 
 
 TRACE_FILE_PREFIX = "rank_"
@@ -282,6 +292,20 @@ def process_group_env(environ: Mapping[str, str], trace_entries: int, trace_dir:
     set_at_launch = {name for name in wanted if name in environ}
     set_at_launch |= {new for new, old in OLDER_NAMES.items() if old in environ}
     return {name: value for name, value in wanted.items() if name not in set_at_launch}
+{%- else %}
+
+
+def process_group_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """Variables PyTorch reads when the process groups start; those set at launch win.
+
+    TORCH_GLOO_LAZY_INIT: gloo connects a pair of ranks when a collective first needs it,
+    not every pair at start. GPU jobs still use gloo (the stop vote, object collectives),
+    on purpose: over NCCL, every vote would wait for the GPU's queue to drain. The votes'
+    all-reduce reaches a few peers (3 of 9 measured), so at 1,000 ranks a process holds
+    tens of sockets instead of ~2,000.
+    """
+    return {} if "TORCH_GLOO_LAZY_INIT" in environ else {"TORCH_GLOO_LAZY_INIT": "1"}
+{%- endif %}
 
 
 def multi_node(environ: Mapping[str, str]) -> bool:
@@ -332,6 +356,9 @@ def shorten_timeout_after_first_step(optimizer: torch.optim.Optimizer, minutes: 
     optimizer.register_step_post_hook(shorten)
 
 
+{%- if cookiecutter.run_record %}
+
+
 def flight_recorder_file() -> Path | None:
     """Where this rank's flight recorder goes (NCCL's watchdog writes it there on a
     timeout; `dump_flight_recorder` for gloo), or None when it is off."""
@@ -351,6 +378,7 @@ def dump_flight_recorder() -> None:
     with contextlib.suppress(OSError):
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(dump())
+{%- endif %}
 
 
 def lost_peer(error: BaseException | None) -> bool:
@@ -375,16 +403,18 @@ def cleanup_distributed() -> None:
     same agreed error) first wait for each other: with lazy gloo a rank may still be
     opening a connection to a peer, and a peer that closes it meanwhile aborts the
     process at exit (SIGABRT, gloo's "state_ <= CONNECTED"). A rank leaving alone never
-    waits, so a failure cannot hang; one leaving because a collective failed writes its
-    flight recorder."""
+    waits, so a failure cannot hang{{ "; one leaving because a collective failed writes its
+    flight recorder" if cookiecutter.run_record }}."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     error = sys.exc_info()[1]
     if error is None or getattr(error, "agreed", False):
         with contextlib.suppress(RuntimeError):  # a peer gone meanwhile: leave anyway
             dist.barrier()  # on the device bound at init (device_id): never a guess at GPU 0
+{%- if cookiecutter.run_record %}
     elif lost_peer(error):
         dump_flight_recorder()
+{%- endif %}
     dist.destroy_process_group()
 
 
@@ -417,6 +447,19 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def vote(values: list[float], op: str, group=None, device: torch.device | None = None) -> list[float]:
+    """The one all-rank vote: each of `values` reduced over every rank of `group` ("min" or
+    "max"). The run's votes travel on its stop-vote group (CPU, gloo), whose timeout is
+    dist.step_timeout_minutes after the first step, so a rank that never votes fails the
+    others in that time; `device`: where the default group wants its tensors. Every rank
+    of the group must call this."""
+    if get_world_size() == 1:
+        return values
+    tally = torch.tensor(values, dtype=torch.float64, device=device)
+    dist.all_reduce(tally, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=group)
+    return tally.tolist()
+
+
 def all_reduce_max_(tensor: torch.Tensor) -> torch.Tensor:
     """The largest `tensor` over all processes, in place; every rank must call this."""
     if get_world_size() > 1:
@@ -441,10 +484,8 @@ def stop_all_if_any_fails(device: torch.device):
     except Exception as caught:  # noqa: BLE001  every rank must reach the all-reduce below
         error = caught
     rank, world = get_rank(), get_world_size()
-    reporter = torch.tensor([rank if error is not None else world], device=device)
-    if world > 1:
-        dist.all_reduce(reporter, op=dist.ReduceOp.MIN)
-    failed_rank = int(reporter.item())
+    [failed_rank] = vote([rank if error is not None else world], "min", device=device)
+    failed_rank = int(failed_rank)
     if failed_rank == world:
         return
     if error is None or failed_rank != rank:

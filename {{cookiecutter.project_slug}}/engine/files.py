@@ -50,11 +50,10 @@ def write_text_whole(path: Path, text: str) -> None:
         raise not_written(path, error) from None
 
 
-def not_written(path: Path, error: OSError) -> UsageError:
-    return UsageError(
-        f"cannot write {str(path)!r}: {error.strerror or error}; free disk space or choose another "
-        "output_dir, then run the same command to continue"
-    )
+def not_written(path: Path, error: OSError, instead: str = "another output_dir") -> UsageError:
+    """The one line for a file that could not be written (a full disk, a read-only folder)."""
+    fix = "another output_dir, then run the same command to continue" if instead == "another output_dir" else instead
+    return UsageError(f"cannot write {str(path)!r}: {error.strerror or error}; free disk space or choose {fix}")
 
 
 def read_json_lines(path: Path) -> tuple[list[dict], list[str]]:
@@ -99,12 +98,22 @@ def write_new_file(path: Path, write) -> None:
     """Create `path` holding what `write(file)` writes, complete or not at all; if anything
     is at `path` by then (a file, a link), it is left alone: `already_exists`. Other
     failures (a full disk) raise their OSError."""
+    try:
+        create_whole(path, write)
+    except FileExistsError:
+        raise already_exists(path) from None
+
+
+def create_whole(path: Path, write) -> None:
+    """The one way this project creates a file that must not exist yet: written to a
+    temporary of a random name, then linked into place, which never follows or replaces
+    what is at `path` (FileExistsError). Complete or not at all."""
     tmp = write_temporary(path.parent, path.name, write)
     try:
         try:
-            os.link(tmp, path)  # never follows or replaces what is at `path`
-        except FileExistsError:
-            raise already_exists(path) from None
+            os.link(tmp, path)
+        except FileExistsError:  # anything there is left alone
+            raise
         except OSError:  # a file system without hard links: created exclusively, then copied
             copy_to_new(tmp, path)
     finally:
@@ -113,10 +122,7 @@ def write_new_file(path: Path, write) -> None:
 
 
 def copy_to_new(source: Path, path: Path) -> None:
-    try:
-        target = open_new(path, "wb")
-    except FileExistsError:
-        raise already_exists(path) from None
+    target = open_new(path, "wb")  # FileExistsError if anything is there
     try:
         with target, source.open("rb") as data:
             while chunk := data.read(2**20):

@@ -69,12 +69,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
 import torch.distributed as dist
 
-from engine.distributed import get_world_size, is_main
-from engine.errors import OutputDirInUse, UsageError
-from engine.files import write_temporary
+from engine.distributed import get_world_size, is_main, vote
+from engine.errors import OutputDirInUse
+from engine.files import create_whole, not_written
 
 HEARTBEAT_S = 30.0
 STALE_S = 120.0  # four missed heartbeats
@@ -152,20 +151,12 @@ class RunLock:
         """Create the lock, whole or not at all: written beside it, then linked into place,
         which fails if a lock exists. A lock that could not be written (a full disk)
         is never left empty, where it would block the next start as a live holder's."""
-        tmp = None
-        try:  # a temporary of a random name, created anew: never a link planted there, nor another run's
-            tmp = write_temporary(self.path.parent, LOCK_NAME, lambda f: f.write(json.dumps(self.me).encode()))
-            os.link(tmp, self.path, follow_symlinks=False)
+        try:
+            create_whole(self.path, lambda f: f.write(json.dumps(self.me).encode()))
         except FileExistsError:
             return False
         except OSError as error:
-            raise UsageError(
-                f"cannot write {str(self.path)!r}: {error.strerror or error}; free disk space or choose "
-                "another output_dir, then run the same command again"
-            ) from None
-        finally:
-            if tmp is not None:
-                tmp.unlink(missing_ok=True)
+            raise not_written(self.path, error) from None
         return True
 
     def in_use(self, holder: dict) -> OutputDirInUse:
@@ -382,12 +373,10 @@ class NoteComparison:
             # propose a count far past the evaluation's or the epoch's end, never reached.
             ahead = min(max(1, int(per_second * CHECK_EVERY_SECONDS)), 2 * (count - last_count))
             proposal = count + ahead
-        proposal = proposal if is_main() else 0
-        notes = torch.tensor([1.0 if noted else 0.0, float(proposal)], dtype=torch.float64)
-        dist.all_reduce(notes, op=dist.ReduceOp.MAX, group=self.group)
-        self.next_check = int(notes[1].item())
+        any_noted, next_check = vote([float(noted), float(proposal if is_main() else 0)], "max", self.group)
+        self.next_check = int(next_check)
         self.last_check = (count, now)
-        return bool(notes[0].item())
+        return bool(any_noted)
 
 
 def leave_stop_signals_to_the_rank(worker_id: int) -> None:

@@ -45,10 +45,10 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, get_worker_info
 
 from engine.config import Config, effective_batch
-from engine.distributed import DistEnv, all_gather_objects, get_world_size, is_main
+from engine.distributed import DistEnv, all_gather_objects, get_world_size, is_main, vote
 from engine.errors import UsageError
 from engine.logs import log
-from engine.seeding import derive_seed, sample_seeds
+from engine.seeding import borrowed_rng, derive_seed, sample_seeds
 
 
 class TrainSampler(DistributedSampler):
@@ -94,16 +94,12 @@ class SeededSamples(Dataset):
         Seeds the CPU generator only (torch.manual_seed would also queue a seed for every
         GPU: ~1 ms per call where CUDA is not initialised) and gives the caller its RNG
         state back, saved and restored once per batch: ~1 us per sample in all."""
-        generator = torch.default_generator
-        caller_state = generator.get_state()
-        try:
+        with borrowed_rng(cpu_generator_only=True) as generator:
             samples = []
             for seed, index in keys:
                 generator.manual_seed(seed)
                 samples.append(self.dataset[index])
             return samples
-        finally:
-            generator.set_state(caller_state)
 
 
 class EvalBatches(Sampler):
@@ -329,13 +325,10 @@ class StreamParts(IterableDataset):
         while True:
             # The reader's own RNG around each sample: with num_workers=0 the stream runs
             # in the training process, whose RNG (dropout) must not depend on it.
-            caller = torch.default_generator.get_state()
-            torch.default_generator.set_state(rng)
-            try:
+            with borrowed_rng(cpu_generator_only=True) as generator:
+                generator.set_state(rng)
                 sample = next(samples, StopIteration)
-                rng = torch.default_generator.get_state()
-            finally:
-                torch.default_generator.set_state(caller)
+                rng = generator.get_state()
             if sample is StopIteration:
                 return
             yield sample
@@ -368,11 +361,7 @@ class StreamSteps:
 
     def all_have(self, have: bool) -> bool:
         """Whether every rank has its next step's micro-batches. Every rank must call this."""
-        if self.group is None:
-            return have
-        vote = torch.tensor([int(have)])
-        dist.all_reduce(vote, op=dist.ReduceOp.MIN, group=self.group)
-        return bool(vote.item())
+        return have if self.group is None else bool(vote([float(have)], "min", self.group)[0])
 
     def end_epoch(self, epoch: int, steps: int, left: int) -> None:
         """Say how long the epoch was and, once, what the ranks had beyond the shortest

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from engine.distributed import PeerFailed, flight_recorder_file, get_rank, is_main, lost_peer
+from engine.distributed import PeerFailed, {{ 'flight_recorder_file, ' if cookiecutter.run_record }}get_rank, is_main, lost_peer
 from engine.errors import UsageError
 from engine.files import append_json_line, rewind_json_lines
 
@@ -239,12 +239,14 @@ def report_errors(main):
             if not lost_peer(error):
                 raise
             # Every survivor says it: rank 0 may be the process that died.
+{%- if cookiecutter.run_record %}
             trace = flight_recorder_file()  # written as the process group was left
             history = f" Its last collectives: {trace}." if trace and trace.exists() else ""
+{%- endif %}
             say_last(
                 f"rank {get_rank()} stopped: lost contact with another process: it crashed, was killed, "
                 "or hung longer than dist.step_timeout_minutes (dist.timeout_minutes before the first step); "
-                f"see its output.{history} {last_line(error)}",
+                f"see its output.{{ '{history}' if cookiecutter.run_record }} {last_line(error)}",
                 1,
             )
             raise SystemExit(1) from None

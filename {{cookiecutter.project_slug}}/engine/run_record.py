@@ -12,7 +12,9 @@ prompts are turned off; what else the repository names (a filter) may run, and i
 stopped with git after GIT_TIMEOUT seconds.
 
 train.log: everything rank 0 prints, the error that ends a run included, appended across
-resumes (`keep_output_in`).
+resumes (`keep_output_in`). The flight recorder, each rank's last collectives written to
+output_dir/flight_recorder/ on a hang, is set up by engine/distributed.py when this part is
+generated.
 """
 
 import contextlib

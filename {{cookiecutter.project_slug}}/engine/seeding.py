@@ -7,6 +7,7 @@
   made (loader.py), so it does not depend on the rank, the worker or the world size.
 """
 
+import contextlib
 import hashlib
 import os
 import random
@@ -51,6 +52,26 @@ def restore_rng_state(state: dict) -> None:
     random.setstate(to_tuples(state["python"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
+
+
+@contextlib.contextmanager
+def borrowed_rng(cpu_generator_only: bool = False):
+    """A block whose random draws leave the caller's RNG as it was: every RNG a checkpoint
+    holds (torch's CPU and GPU generators, Python's random), or with `cpu_generator_only`
+    torch's CPU generator alone, which it yields (about 1 us: fit for every batch)."""
+    if cpu_generator_only:
+        generator = torch.default_generator
+        caller = generator.get_state()
+        try:
+            yield generator
+        finally:
+            generator.set_state(caller)
+        return
+    caller = capture_rng_state()
+    try:
+        yield None
+    finally:
+        restore_rng_state(caller)
 
 
 def to_tuples(value):

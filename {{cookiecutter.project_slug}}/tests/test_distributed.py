@@ -218,6 +218,7 @@ def test_wrap_model_on_gpu_for_one_process():
     assert train_model is model
     assert next(model.parameters()).device == torch.device("cuda", 0)
     assert not any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())
+{%- if cookiecutter.run_record %}
 
 
 def test_process_group_variables_connect_gloo_lazily_and_record_collectives():
@@ -231,6 +232,14 @@ def test_process_group_variables_connect_gloo_lazily_and_record_collectives():
     # Off, or no place to write to (evaluate.py): only the lazy connections.
     assert process_group_env({}, 0, trace_dir) == {"TORCH_GLOO_LAZY_INIT": "1"}
     assert process_group_env({}, 2000, None) == {"TORCH_GLOO_LAZY_INIT": "1"}
+{%- else %}
+
+
+def test_process_group_variables_connect_gloo_lazily():
+    assert process_group_env({}) == {"TORCH_GLOO_LAZY_INIT": "1"}
+    assert process_group_env({"TORCH_GLOO_LAZY_INIT": "0"}) == {}  # set at launch: it wins
+{%- endif %}
+{%- if cookiecutter.run_record %}
 
 
 def test_process_group_variables_set_at_launch_win_under_either_name():
@@ -240,6 +249,7 @@ def test_process_group_variables_set_at_launch_win_under_either_name():
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/",
     }
     assert process_group_env(launch, 2000, Path("/runs/a/fr")) == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+{%- endif %}
 
 
 @pytest.mark.parametrize(

@@ -82,7 +82,7 @@ def main(out: str, overrides: list[str]) -> None:
     train_loader, val_loader, state = train.load_train_objs(cfg, env, device, checkpointer, parts, None)
     row["setup_peak_mib"] = status_mib("VmHWM")
     stop = StopRequest(cfg.dist.timeout_minutes, cfg.train.stop_at_step).install(env.launcher)
-    set_host_allocator(parts)  # as train.py, after setup
+    set_host_allocator(parts)  # as train.py does (before setup there; here after, to measure setup's own peak)
     reset_peak()
     train.Run(cfg, env, state, (train_loader, val_loader), checkpointer, stop, QuietLog()).train_epoch()
     row["step_peak_mib"] = status_mib("VmHWM")

@@ -36,6 +36,7 @@ SUITE_PARTS = {
         "test_recipe.py",
         "test_metrics.py",
         "test_no_data_lost.py",
+        "test_distributed.py",
     ],
     "memory, fsdp, streams and entry points": [
         "test_memory.py",
@@ -59,28 +60,28 @@ SUITE_PARTS = {
         "test_throughput.py",
         "test_profiling.py",
         "test_pretrained.py",
-        "test_distributed.py",
         "test_batch.py",
     ],
 }
 # What the bake without parts runs of it: its own task's tests, and the tests of every file
-# from which a "no" removes code: training, checkpoints, evaluation, every entry point under
-# real torchrun. Its other tests would run the same code as the default bake's (checked
+# from which a "no" removes code: training, checkpoints, stops and faults, evaluation, every
+# entry point under real torchrun. Its other tests would run the same code as the default bake's (checked
 # below: the two bakes share every other Python file, docstrings and help texts aside), with
 # fewer parts loaded; its own CI runs them all.
-WITHOUT_PARTS_RUNS = ("task and exactness", "training and launch", "memory, fsdp, streams and entry points")
+WITHOUT_PARTS_RUNS = ("faults", "task and exactness", "training and launch", "memory, fsdp, streams and entry points")
 # The files from which a "no" removes a part's code (Jinja in the template): the runs above
 # hold the tests of each.
 PART_CODE = {
     "train.py",
     "evaluate.py",
     "recipe.py",
-    *(f"engine/{name}.py" for name in ("checkpoint", "config", "loader", "logs", "metrics")),
+    *(f"engine/{name}.py" for name in ("checkpoint", "config", "distributed", "loader", "logs", "metrics")),
     *(f"engine/{name}.py" for name in ("parallel", "training", "parts/__init__")),
     "tests/reference_task/train.py",
     "tests/reference_task/recipe.py",
     "tests/reference_task/model.py",  # the example's count_items (throughput) and model.pretrained
     *(f"tests/test_{name}.py" for name in ("checkpoint", "common_changes", "config", "divergence", "task_interface")),
+    *(f"tests/test_{name}.py" for name in ("distributed", "faults")),  # the flight recorder (run_record)
 }
 
 

@@ -77,8 +77,13 @@ def main(argv=None) -> int:
         return 0
     env, device = init_distributed_mode(cfg.dist{{ ', Path(cfg.output_dir) / "flight_recorder"' if cookiecutter.run_record }})
     parts = build_parts(cfg, env)  # the optional features the config turns on (engine/parts)
-    # What each step frees: kept for the next{{ ", or given back where a part says so (FSDP)" if cookiecutter.fsdp }}. Set
+{%- if cookiecutter.fsdp %}
+    # What each step frees: kept for the next, or given back where a part says so (FSDP). Set
     # before the model is built, so that what setup frees is handled the same way.
+{%- else %}
+    # What each step frees is kept for the next; set before the model is built, so that what
+    # setup frees is handled the same way.
+{%- endif %}
     set_host_allocator({{ 'parts' if cookiecutter.fsdp }})
     lock, loaders = None, ()
     try:
@@ -254,7 +259,7 @@ class Outcome(enum.Enum):
     """How a stretch of training ended. A diverged run does not end here: it raises
     DivergedError, which stops every rank in one line."""
 
-    GO_ON = "go on"  # the epoch is over, the run is not
+    GO_ON = "go on"  # the run is not over: train on
     DONE = "done"  # the run has its length{{ ", or a part ended it (early stopping)" if cookiecutter.early_stopping }}
     STOPPED = "stopped"  # asked to stop (a signal, train.stop_at_step): saved, the same command continues
 

@@ -174,8 +174,8 @@ def expand_nodelist(nodelist: str) -> list[str]:
     """Host names from SLURM's compressed form, e.g. 'gpu[01-03,07],cpu5' -> 5 names."""
     hosts = []
     # Split on commas that are outside brackets.
-    for part in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", nodelist):
-        hosts += expand_host_pattern(part.strip())
+    for piece in re.findall(r"[^,\[]+(?:\[[^\]]*\][^,\[]*)*", nodelist):
+        hosts += expand_host_pattern(piece.strip())
     return [h for h in hosts if h]
 
 
@@ -449,10 +449,10 @@ def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
 
 def vote(values: list[float], op: str, group=None, device: torch.device | None = None) -> list[float]:
     """The one all-rank vote: each of `values` reduced over every rank of `group` ("min" or
-    "max"). The run's votes travel on its stop-vote group (CPU, gloo), whose timeout is
-    dist.step_timeout_minutes after the first step, so a rank that never votes fails the
-    others in that time; `device`: where the default group wants its tensors. Every rank
-    of the group must call this."""
+    "max"). The stop requests and a stream's equal steps vote on the run's stop-vote group
+    (CPU, gloo); None is the default group, whose tensors live on `device`. Both groups'
+    timeouts drop to dist.step_timeout_minutes after the first step, so a rank that never
+    votes fails the others in that time. Every rank of the group must call this."""
     if get_world_size() == 1:
         return values
     tally = torch.tensor(values, dtype=torch.float64, device=device)

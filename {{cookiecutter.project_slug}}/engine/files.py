@@ -116,9 +116,13 @@ def create_whole(path: Path, write) -> None:
             raise
         except OSError:  # a file system without hard links: created exclusively, then copied
             copy_to_new(tmp, path)
+        try:
+            fsync_dir(path.parent)
+        except OSError:  # not known to last: not made
+            path.unlink(missing_ok=True)
+            raise
     finally:
         tmp.unlink(missing_ok=True)
-    fsync_dir(path.parent)
 
 
 def copy_to_new(source: Path, path: Path) -> None:

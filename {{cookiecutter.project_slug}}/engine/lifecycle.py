@@ -148,9 +148,10 @@ class RunLock:
         return self
 
     def try_create(self) -> bool:
-        """Create the lock, whole or not at all: written beside it, then linked into place,
-        which fails if a lock exists. A lock that could not be written (a full disk)
-        is never left empty, where it would block the next start as a live holder's."""
+        """Create the lock, whole or not at all (files.create_whole): written beside it, then
+        linked into place, which fails if a lock exists (without hard links: created
+        exclusively, then copied). A lock that could not be written (a full disk) is
+        removed, never left empty, where it would block the next start as a live holder's."""
         try:
             create_whole(self.path, lambda f: f.write(json.dumps(self.me).encode()))
         except FileExistsError:

@@ -22,11 +22,13 @@ SHOWN = 6  # fresh tensors named in the line; the rest are counted
 
 def load_pretrained(model: nn.Module, name: str) -> None:
     """Copy the weights called `name` into `model` wherever a tensor's name and shape
-    match; the others keep their fresh initialisation, and rank 0 says which in one line.
+    match; the others keep their fresh initialisation, and rank 0 says which in one line.{% if cookiecutter.fsdp %}
     On the meta device (FSDP's ranks other than 0) nothing is read: rank 0's weights
-    reach those ranks at setup."""
+    reach those ranks at setup.{% endif %}"""
+{%- if cookiecutter.fsdp %}
     if any(p.is_meta for p in model.parameters()):
         return
+{%- endif %}
     published = cached_state_dict(name)
     own = model.state_dict()
     fits = {key: value for key, value in published.items() if key in own and value.shape == own[key].shape}

@@ -379,7 +379,9 @@ def save_folder(checkpointer, state, run_state: dict, is_best: bool) -> None:
             directory.mkdir(parents=True, exist_ok=True)
             remove(tmp)  # left by a save killed midway
     shards = sharded_state_dict(state.model, state.optimizer)
+{%- if cookiecutter.ema %}
     shards |= {part.name: part.weights() for part in state.parts if part.holds_weights}
+{%- endif %}
     try:
         save_sharded(shards, tmp, final)  # raises on every rank alike
         with stop_all_if_any_fails(checkpointer.device):

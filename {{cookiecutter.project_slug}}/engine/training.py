@@ -536,14 +536,14 @@ def optimizer_step(state: TrainState, train: TrainConfig) -> None:
 
 
 def full_on_main(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+{%- if cookiecutter.fsdp %}
     """Whole tensors on the CPU, on rank 0 ({} elsewhere, as for the model's). Every rank
     must call this: under FSDP it gathers."""
-{%- if cookiecutter.fsdp %}
-    whole = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in tensors.items()}
+    tensors = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in tensors.items()}
 {%- else %}
-    whole = tensors
+    """The tensors on the CPU, on rank 0 ({} elsewhere, as for the model's)."""
 {%- endif %}
-    return {name: t.detach().cpu() for name, t in whole.items()} if is_main() else {}
+    return {name: t.detach().cpu() for name, t in tensors.items()} if is_main() else {}
 {%- endif %}
 
 

@@ -14,7 +14,7 @@ from PIL import Image
 
 from conftest import FAST, run_script
 
-pytestmark = pytest.mark.slow  # every entry point under real torchrun: CI runs these (pytest -m slow)
+pytestmark = pytest.mark.slow  # every entry point under real torchrun: the slow tier (pytest -m slow)
 
 RUNS = int(os.environ.get("ENTRY_POINT_RUNS", "1"))
 # What a process that dies at exit leaves: C++ terminate, a fatal signal, a traceback.

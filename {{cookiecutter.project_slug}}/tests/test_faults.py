@@ -40,8 +40,6 @@ from engine.lifecycle import (
     pid_alive,  # alive and not a zombie (an orphan may wait unreaped)
 )
 
-pytestmark = pytest.mark.slow  # processes killed, stopped and resumed in every way: CI runs these (pytest -m slow)
-
 # Long enough epochs that a signal lands mid-epoch; runs end at train.stop_at_step.
 LONG = [*FAST, "data.train_size=8192", "train.log_every_steps=1", "data.augment=true", "model.dropout=0.1"]
 END = 300
@@ -87,6 +85,7 @@ atomic_write(directory, "step-00000002.pt", slow_write)
 """
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_process_killed_mid_save_leaves_previous_checkpoint(tmp_path):
     saver = subprocess.Popen(
         [sys.executable, "-c", KILLED_SAVE, str(tmp_path)], cwd=machinery_project(), stdout=subprocess.PIPE, text=True
@@ -105,6 +104,7 @@ def test_process_killed_mid_save_leaves_previous_checkpoint(tmp_path):
 # -- 2. corrupt checkpoints -----------------------------------------------------------------
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_corrupt_last_falls_back_to_older_checkpoint(tmp_path):
     out = tmp_path / "run"
     args = [*FAST, f"output_dir={out}", "checkpoint.every_steps=20", "checkpoint.keep_last=5"]
@@ -119,6 +119,7 @@ def test_corrupt_last_falls_back_to_older_checkpoint(tmp_path):
     assert last(out)["step"] == 60
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 @pytest.mark.parametrize("content", [b"", b"garbage", None])
 def test_explicit_bad_checkpoint_is_one_line_exit_2(tmp_path, content):
     path = tmp_path / "bad.pt"
@@ -141,6 +142,7 @@ class RunsCode:
         return (os.system, (f"touch {self.marker}",))
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_checkpoint_that_runs_code_is_refused_by_train_py(tmp_path):
     marker, evil = tmp_path / "pwned", tmp_path / "evil.pt"
     torch.save({"model": {}, "payload": RunsCode(marker)}, evil, pickle_module=pickle)
@@ -149,6 +151,7 @@ def test_checkpoint_that_runs_code_is_refused_by_train_py(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_own_checkpoints_hold_no_unsafe_globals(tmp_path):
     out = tmp_path / "run"
     run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=5", "optim.name=adamw"], nproc=2)
@@ -162,11 +165,11 @@ def test_own_checkpoints_hold_no_unsafe_globals(tmp_path):
 @pytest.mark.parametrize(
     "target, sig, workers",
     [
-        ("worker", signal.SIGUSR1, 0),
-        ("agent", signal.SIGINT, 0),
+        ("worker", signal.SIGUSR1, 0),  # the one in a plain pytest run: a stop, its line, exit 75, a resume
+        pytest.param("agent", signal.SIGINT, 0, marks=pytest.mark.slow),
         # torchrun signals each rank's process group, SLURM each task's: DataLoader workers too
-        ("agent", signal.SIGTERM, 2),
-        ("worker's process group", signal.SIGUSR1, 2),
+        pytest.param("agent", signal.SIGTERM, 2, marks=pytest.mark.slow),
+        pytest.param("worker's process group", signal.SIGUSR1, 2, marks=pytest.mark.slow),
     ],
 )
 def test_stop_signal_checkpoints_and_resumes_exactly(tmp_path, uninterrupted, target, sig, workers):
@@ -194,6 +197,7 @@ def test_stop_signal_checkpoints_and_resumes_exactly(tmp_path, uninterrupted, ta
     assert_same_state(uninterrupted, last(out))
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_a_second_ctrl_c_while_the_run_stops_is_one_line(tmp_path):
     """The first Ctrl-C stops with a checkpoint; a second one during the teardown (the
     DataLoader workers' shutdown, the save) stops at once, in one line, no traceback."""
@@ -227,6 +231,7 @@ LONG_EVAL = [
 ]
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_the_ranks_compare_stop_notes_at_most_twice_as_far_apart_as_last_time(tmp_path):
     """Rank 0 proposes the next count to compare notes at from the rate since the last
     comparison. A burst of rounds (an evaluation's first, prefetched batches) once made it
@@ -280,6 +285,7 @@ def test_a_stop_during_evaluation_saves_the_last_step_and_the_next_run_evaluates
 RESTART_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 @pytest.mark.parametrize("victim", ["rank 0, the output_dir lock holder", "another rank"])
 def test_killed_worker_is_restarted_and_finishes_exactly(tmp_path, uninterrupted, victim):
     out = tmp_path / "run"
@@ -321,6 +327,7 @@ def uninterrupted_with_workers(tmp_path_factory):
     return last(out)
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_dead_launcher_leaves_no_process_and_loses_no_step(tmp_path, request, workers):
     """SIGKILL to torchrun's agent: nothing tells its workers (they sit in sessions of their
@@ -356,6 +363,7 @@ def test_a_dead_launcher_leaves_no_process_and_loses_no_step(tmp_path, request, 
     assert_same_state(reference, last(out))
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_a_killed_single_process_run_leaves_no_dataloader_worker(tmp_path):
     """`python train.py` killed with -9: its DataLoader workers see their parent gone and exit."""
     args = [*LONG, f"output_dir={tmp_path / 'run'}", "train.num_workers=2"]
@@ -392,6 +400,7 @@ def start_rank(rank, args, port):
     )
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 @pytest.mark.parametrize("fault", [signal.SIGSTOP, signal.SIGKILL])
 def test_a_lost_rank_fails_the_others_within_the_step_timeout_and_leaves_their_history(tmp_path, fault):
     # No torchrun here: it would kill the survivors itself. The survivor must not hang for
@@ -431,6 +440,7 @@ def one_error_line(result):
     return errors[0]
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 @pytest.mark.parametrize(
     "args, message",
     [
@@ -445,6 +455,7 @@ def test_bad_values_are_one_line_from_two_ranks(tmp_path, args, message):
     assert one_error_line(result).startswith(message)
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_bad_values_under_torchrun_are_one_line(tmp_path):
     """Under torchrun itself, a value found bad once the ranks have met (here, the data's
     folder) is one line too: test_train.py has one found before they meet."""
@@ -453,6 +464,7 @@ def test_bad_values_under_torchrun_are_one_line(tmp_path):
     assert one_error_line(result).startswith("error: data.root: '/nonexistent/train' is missing")
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_yaml_syntax_error_names_the_line(tmp_path):
     config = tmp_path / "bad.yaml"
     config.write_text("optim:\n  lr: 0.1\n  momentum: [2\n")
@@ -461,6 +473,7 @@ def test_yaml_syntax_error_names_the_line(tmp_path):
     assert one_error_line(result).startswith(f"error: {config} line 4: YAML syntax error")
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_missing_config_file(tmp_path):
     result = run_script("train.py", ["--config", tmp_path / "nope.yaml"], check=False)
     assert result.returncode == 2
@@ -482,6 +495,7 @@ def make_image_folder(root, bad_image=False, empty_class=False, bad_name="7.png"
         (root / "train" / "cat" / bad_name).write_bytes(b"not a png")
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_imagefolder_trains(tmp_path):
     make_image_folder(tmp_path / "images")
     out = tmp_path / "run"
@@ -496,6 +510,7 @@ def test_imagefolder_trains(tmp_path):
     assert read_metrics(out)[0]["num_samples"] == 48
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_empty_class_folder_is_named(tmp_path):
     make_image_folder(tmp_path / "images", empty_class=True)
     args = [*FAST, "data.name=imagefolder", f"data.root={tmp_path / 'images'}", f"output_dir={tmp_path / 'run'}"]
@@ -503,6 +518,7 @@ def test_empty_class_folder_is_named(tmp_path):
     assert line.startswith(f"error: data.root: class folder '{tmp_path / 'images' / 'train' / 'dog'}' has no images")
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_unreadable_image_is_named_from_a_worker(tmp_path):
     make_image_folder(tmp_path / "images", bad_image=True)
     args = [
@@ -517,6 +533,7 @@ def test_unreadable_image_is_named_from_a_worker(tmp_path):
     assert one_error_line(result).startswith(f"error: image {bad} is not an image PIL can read")
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_unreadable_image_on_rank_1_is_reported_by_rank_1(tmp_path):
     # With seed 0, 8.png is in rank 1's first batch: rank 0 never sees the error itself.
     make_image_folder(tmp_path / "images", bad_image=True, bad_name="8.png")
@@ -526,6 +543,7 @@ def test_unreadable_image_on_rank_1_is_reported_by_rank_1(tmp_path):
     assert one_error_line(result).startswith(f"error: rank 1: image {bad} is not an image PIL can read")
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_checkpoint_of_another_model_names_key_and_shapes(tmp_path):
     out = tmp_path / "run"
     run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=2"])
@@ -534,6 +552,7 @@ def test_checkpoint_of_another_model_names_key_and_shapes(tmp_path):
     assert "'net.2.linear.weight' has shape (32, 192) in the checkpoint but (64, 192) in the model" in line
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_unwritable_output_dir_stops_every_rank_at_start(tmp_path):
     blocker = tmp_path / "a_file"
     blocker.write_text("")
@@ -545,6 +564,7 @@ def limit_file_size():
     resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_failed_save_is_clear_and_keeps_previous_checkpoint(tmp_path):
     out = tmp_path / "run"
     run_script("train.py", [*FAST, f"output_dir={out}", "train.stop_at_step=3"])
@@ -589,6 +609,7 @@ def all_finite(checkpoint: dict) -> bool:
 LAYOUTS = [(None, "ddp"), (2, "ddp"), (2, "fsdp")]
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 @pytest.mark.parametrize("nproc, strategy", [case for case in LAYOUTS if case[-1] in STRATEGIES])
 def test_a_diverging_run_stops_every_rank_and_keeps_its_last_good_checkpoint(tmp_path, nproc, strategy):
     args = [*DIVERGING, *strategy_args(strategy), f"output_dir={tmp_path}"]
@@ -605,6 +626,7 @@ def test_a_diverging_run_stops_every_rank_and_keeps_its_last_good_checkpoint(tmp
     assert not (tmp_path / "checkpoints" / "best.pt").exists()  # no epoch finished
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_bad_steps_are_skipped_up_to_max_bad_steps_then_the_run_stops(tmp_path):
     args = [*DIVERGING, "train.max_bad_steps=3", f"output_dir={tmp_path}"]
     result = run_script("train.py", args, check=False)
@@ -613,6 +635,7 @@ def test_bad_steps_are_skipped_up_to_max_bad_steps_then_the_run_stops(tmp_path):
     assert all_finite(last(tmp_path))
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_a_diverging_run_resumed_stops_at_once_without_saving(tmp_path):
     """The last good checkpoint stays the resume point: a relaunch (a requeue) diverges
     again from it, and still writes nothing non-finite."""
@@ -630,6 +653,7 @@ def contents(path: Path) -> dict[str, bytes]:
     return {path.name: path.read_bytes()}
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 @pytest.mark.parametrize("nproc, strategy", [case for case in LAYOUTS if case[-1] in STRATEGIES])
 def test_a_full_disk_fails_the_save_in_one_line_keeps_the_last_checkpoint_and_resumes(small_disk, nproc, strategy):
     out, args = small_disk / "run", [*FAST, *strategy_args(strategy)]
@@ -653,6 +677,7 @@ def test_a_full_disk_fails_the_save_in_one_line_keeps_the_last_checkpoint_and_re
 # -- 8. runs are not overwritten ----------------------------------------------------------------
 
 
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_resume_with_changed_model_is_refused(tmp_path):
     out = tmp_path / "run"
     run_script("train.py", [*FAST, f"output_dir={out}", "train.epochs=1"])

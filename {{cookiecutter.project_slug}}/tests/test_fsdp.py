@@ -360,7 +360,7 @@ train.main(sys.argv[1:])
 """
 
 
-@pytest.mark.slow  # CI runs it (pytest -m slow)
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_processes_killed_mid_sharded_save_leave_the_previous_checkpoint(tmp_path):
     out, script = tmp_path / "run", tmp_path / "hangs_in_save.py"
     script.write_text(HANGS_IN_SHARDED_SAVE)

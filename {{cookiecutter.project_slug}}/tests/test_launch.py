@@ -9,7 +9,7 @@ import torch
 from conftest import FAST, clean_env, forkable, free_port, machinery_project, run_script
 from engine.checkpoint import load_checkpoint
 
-pytestmark = pytest.mark.slow  # every launcher's environment, real processes: CI runs these (pytest -m slow)
+pytestmark = pytest.mark.slow  # every launcher's environment, real processes: the slow tier (pytest -m slow)
 
 RUN = [*FAST, "train.epochs=1", "checkpoint.resume=none"]
 

@@ -33,7 +33,7 @@ def start_launcher(args: list) -> subprocess.Popen:
     )
 
 
-@pytest.mark.slow  # a real launch: CI runs it (pytest -m slow)
+@pytest.mark.slow  # a real launch: the slow tier (pytest -m slow)
 def test_bad_input_on_two_processes_ends_with_the_projects_line_and_exit_code_2(tmp_path):
     process = start_launcher([*FAST, "optim.lr=-1", f"output_dir={tmp_path / 'run'}"])
     output = finish(process, [])
@@ -42,7 +42,7 @@ def test_bad_input_on_two_processes_ends_with_the_projects_line_and_exit_code_2(
     assert "Traceback" not in output and "FAILED" not in output, output
 
 
-@pytest.mark.slow  # a real launch: CI runs it (pytest -m slow)
+@pytest.mark.slow  # a real launch: the slow tier (pytest -m slow)
 def test_ctrl_c_stops_every_process_with_a_checkpoint_then_one_line_and_exit_code_130(tmp_path):
     args = [*FAST, "data.train_size=8192", "train.log_every_steps=1", "train.stop_at_step=300"]
     process, seen = start_launcher([*args, f"output_dir={tmp_path / 'run'}"]), []

@@ -188,7 +188,7 @@ def test_memory_stays_flat_over_epochs(tmp_path):
         assert max(tensors) - min(tensors) <= 2, f"rank {rank} live tensors changed: {tensors}"
 
 
-@pytest.mark.slow  # CI runs it (pytest -m slow)
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 @pytest.mark.skipif(shutil.which("unshare") is None, reason="needs unshare (util-linux) to hide /proc")
 def test_without_proc_the_report_says_what_it_cannot_read(tmp_path):
     """As on macOS: /proc hidden under an empty file system, in a mount namespace of the

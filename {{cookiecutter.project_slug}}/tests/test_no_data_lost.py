@@ -36,7 +36,7 @@ def one_error_line(result) -> str:
     return errors[0]
 
 
-@pytest.mark.slow  # CI runs it (pytest -m slow)
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_a_full_disk_during_a_metrics_row_leaves_whole_rows_and_the_next_run_writes_each_epoch_once(small_disk):
     out = small_disk / "run"
     args = [*FAST, "data.train_size=4096", "train.log_every_steps=1", f"output_dir={out}"]

@@ -268,7 +268,7 @@ def test_safetensors_of_another_kind_of_number_are_refused_by_name(exported, pho
     assert not (tmp_path / "p.jsonl").exists()
 
 
-@pytest.mark.slow  # CI runs it (pytest -m slow)
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_two_runs_writing_the_same_out_leave_one_models_file_and_one_line(exported, photos, tmp_path):
     """Two predict.py runs from two checkpoints, both past the check that --out is free
     (each waits in build_predict_set until the other is there too): one writes the file,

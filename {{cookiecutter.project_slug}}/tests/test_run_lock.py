@@ -61,7 +61,7 @@ def test_a_second_run_on_a_busy_output_dir_refuses_before_writing(running, nproc
     assert "epochs: 7" not in (out / "config.yaml").read_text()  # the second run wrote nothing
 
 
-@pytest.mark.slow  # CI runs it (pytest -m slow)
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_a_lock_left_by_a_killed_run_does_not_block_the_next_launch(tmp_path):
     out = tmp_path / "run"
     kill_job(start_long_run(out))

@@ -235,7 +235,7 @@ class HangsOnRankOne(IterableDataset):
 """
 
 
-@pytest.mark.slow  # CI runs it (pytest -m slow)
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_a_rank_whose_stream_hangs_stops_the_run_within_the_step_timeout(stream_project, tmp_path):
     """The other rank waits in the stream's vote for equal steps: that wait is bounded by
     dist.step_timeout_minutes like every collective after the first step, not torch's

@@ -24,7 +24,7 @@ from conftest import (
 )
 from engine.lifecycle import pid_alive
 
-pytestmark = pytest.mark.slow  # sweeps of real runs, stopped by signals: CI runs these (pytest -m slow)
+pytestmark = pytest.mark.slow  # sweeps of real runs, stopped by signals: the slow tier (pytest -m slow)
 
 GRID = ["optim.lr=0.05,0.1", "model.hidden_dim=16,32"]
 # FAST's settings, but those the grid sweeps, with smaller data (a key is given once to sweep.py).

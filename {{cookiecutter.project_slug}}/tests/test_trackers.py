@@ -42,7 +42,7 @@ def saved_runs(output_dir) -> dict:
     return ckpt["states"]["tracking"]["runs"]
 
 
-@pytest.mark.slow  # CI runs it (pytest -m slow)
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_mlflow_records_config_curves_and_memory_in_one_run_across_a_resume(tracked):
     root, first, second = tracked
     client = mlflow_tracking.MlflowClient(f"sqlite:///{root}/mlflow.db")

@@ -104,7 +104,7 @@ def run_with_terminal_stderr(args, timeout=240) -> tuple[str, str]:
     return stdout, terminal_text
 
 
-@pytest.mark.slow  # CI runs it (pytest -m slow)
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_single_process_run_on_a_terminal(tmp_path, fast_args):
     out = tmp_path / "run"
     stdout, terminal = run_with_terminal_stderr([*fast_args, f"output_dir={out}", "train.epochs=1"])
@@ -132,7 +132,7 @@ def test_bad_config_under_torchrun_is_reported_once(tmp_path):
     "switches",
     [["train.compile=true", "train.channels_last=true"], ["dist.static_graph=true", "dist.bucket_cap_mb=0.01"]],
 )
-@pytest.mark.slow  # CI runs it (pytest -m slow)
+@pytest.mark.slow  # the slow tier (pytest -m slow)
 def test_speed_switches_keep_the_math(tmp_path, switches):
     """torch.compile, channels_last, DDP static_graph and bucket size change speed only."""
     args = [*FAST_SHORT, "checkpoint.resume=none"]

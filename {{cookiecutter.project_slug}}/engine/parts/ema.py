@@ -17,8 +17,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
+{% if cookiecutter.fsdp %}from torch.distributed.fsdp import FSDPModule
+{% endif %}from torch.distributed.tensor import DTensor
 
 from engine.config import check_positive, shown
 from engine.errors import ConfigError
@@ -128,9 +128,11 @@ class WeightEMA(Part):
 
     @torch.no_grad()
     def swap(self) -> None:
+{%- if cookiecutter.fsdp %}
         for module in self.model.modules():  # FSDP keeps the root's weights gathered after a forward without backward
             if isinstance(module, FSDPModule):
                 module.reshard()
+{%- endif %}
         live = self.live()
         for name, average in self.averages.items():
             mine, theirs = local(live[name]), local(average)

@@ -40,9 +40,11 @@ class Section:
 def build(cfg, env) -> "Freezing | None":
     if not cfg.freeze.prefixes:
         return None
-    if cfg.freeze.epochs and "fsdp" in cfg.sections and cfg.fsdp.enabled:
+{%- if cookiecutter.fsdp %}
+    if cfg.freeze.epochs and cfg.fsdp.enabled:
         # FSDP fixes which parameters take gradients when it shards the model.
         raise ConfigError("freeze.epochs needs DDP (fsdp.enabled=false); under FSDP, freeze for the whole run")
+{%- endif %}
     return Freezing(cfg.freeze)
 
 

@@ -92,7 +92,7 @@ def epoch_scalars(row: dict) -> dict:
     and the largest over the ranks (`..._max`)."""
     scalars = {"throughput/samples_per_s": row["samples_per_s"]}
     for key, value in row.items():
-        if key.endswith("_per_s") or key == "mfu":  # the task's items, model FLOPs (engine/throughput.py)
+        if key.endswith("_per_s") or key == "mfu":  # the task's items{{ ", model FLOPs (engine/throughput.py)" if cookiecutter.throughput }}
             scalars[f"throughput/{key}"] = value
         if key.startswith("train_") and key != "train_time_s":
             scalars[f"train/epoch_{key.removeprefix('train_')}"] = value

@@ -221,18 +221,11 @@ def select_device(env: DistEnv, cuda_available: bool, device_count: int = 0) -> 
             "(start one process per GPU: --nproc_per_node / --ntasks-per-node)"
         )
     return torch.device("cuda", env.local_rank)
-{%- if cookiecutter.run_record %}
 
 
-def init_distributed_mode(cfg: DistConfig, trace_dir: Path | None = None) -> tuple[DistEnv, torch.device]:
-    """Bind this process to its device, then join the process group (if launched).
-    `trace_dir`: where each rank's flight recorder goes when a collective fails."""
-{%- else %}
-
-
-def init_distributed_mode(cfg: DistConfig) -> tuple[DistEnv, torch.device]:
-    """Bind this process to its device, then join the process group (if launched)."""
-{%- endif %}
+def init_distributed_mode(cfg: DistConfig{{ ', trace_dir: Path | None = None' if cookiecutter.run_record }}) -> tuple[DistEnv, torch.device]:
+    """Bind this process to its device, then join the process group (if launched).{% if cookiecutter.run_record %}
+    `trace_dir`: where each rank's flight recorder goes when a collective fails.{% endif %}"""
     env = parse_dist_env(os.environ)
     cuda = torch.cuda.is_available()
     device = select_device(env, cuda, torch.cuda.device_count() if cuda else 0)
@@ -267,9 +260,10 @@ OLDER_NAMES = {
     "TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE",
     "TORCH_FR_DUMP_TEMP_FILE": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
 }
+{%- endif %}
 
 
-def process_group_env(environ: Mapping[str, str], trace_entries: int, trace_dir: Path | None) -> dict[str, str]:
+def process_group_env(environ: Mapping[str, str]{{ ', trace_entries: int, trace_dir: Path | None' if cookiecutter.run_record }}) -> dict[str, str]:
     """Variables PyTorch reads when the process groups start; those set at launch win.
 
     TORCH_GLOO_LAZY_INIT: gloo connects a pair of ranks when a collective first needs it,
@@ -277,35 +271,27 @@ def process_group_env(environ: Mapping[str, str], trace_entries: int, trace_dir:
     on purpose: over NCCL, every vote would wait for the GPU's queue to drain. The votes'
     all-reduce reaches a few peers (3 of 9 measured), so at 1,000 ranks a process holds
     tens of sockets instead of ~2,000.
+{%- if cookiecutter.run_record %}
     TORCH_FR_*: the flight recorder. Each rank keeps its last `trace_entries` collectives
     (which, on which group, sizes, state) and writes them to `trace_dir`/rank_N when one
     times out: NCCL's watchdog does, and `dump_flight_recorder` for gloo. Read them with
     `python -m torch.distributed.flight_recorder.fr_trace trace_dir`.
+{%- endif %}
     """
     wanted = {"TORCH_GLOO_LAZY_INIT": "1"}
+{%- if cookiecutter.run_record %}
     if trace_entries > 0 and trace_dir is not None:
         wanted |= {
             "TORCH_FR_BUFFER_SIZE": str(trace_entries),
             "TORCH_FR_DUMP_TEMP_FILE": f"{trace_dir}/{TRACE_FILE_PREFIX}",
             "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
         }
-    set_at_launch = {name for name in wanted if name in environ}
-    set_at_launch |= {new for new, old in OLDER_NAMES.items() if old in environ}
-    return {name: value for name, value in wanted.items() if name not in set_at_launch}
-{%- else %}
-
-
-def process_group_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """Variables PyTorch reads when the process groups start; those set at launch win.
-
-    TORCH_GLOO_LAZY_INIT: gloo connects a pair of ranks when a collective first needs it,
-    not every pair at start. GPU jobs still use gloo (the stop vote, object collectives),
-    on purpose: over NCCL, every vote would wait for the GPU's queue to drain. The votes'
-    all-reduce reaches a few peers (3 of 9 measured), so at 1,000 ranks a process holds
-    tens of sockets instead of ~2,000.
-    """
-    return {} if "TORCH_GLOO_LAZY_INIT" in environ else {"TORCH_GLOO_LAZY_INIT": "1"}
 {%- endif %}
+    set_at_launch = {name for name in wanted if name in environ}
+{%- if cookiecutter.run_record %}
+    set_at_launch |= {new for new, old in OLDER_NAMES.items() if old in environ}
+{%- endif %}
+    return {name: value for name, value in wanted.items() if name not in set_at_launch}
 
 
 def multi_node(environ: Mapping[str, str]) -> bool:
@@ -484,8 +470,7 @@ def stop_all_if_any_fails(device: torch.device):
     except Exception as caught:  # noqa: BLE001  every rank must reach the all-reduce below
         error = caught
     rank, world = get_rank(), get_world_size()
-    [failed_rank] = vote([rank if error is not None else world], "min", device=device)
-    failed_rank = int(failed_rank)
+    failed_rank = int(vote([rank if error is not None else world], "min", device=device)[0])
     if failed_rank == world:
         return
     if error is None or failed_rank != rank:

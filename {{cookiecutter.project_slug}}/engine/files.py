@@ -50,10 +50,12 @@ def write_text_whole(path: Path, text: str) -> None:
         raise not_written(path, error) from None
 
 
-def not_written(path: Path, error: OSError, instead: str = "another output_dir") -> UsageError:
+CONTINUE_ELSEWHERE = "another output_dir, then run the same command to continue"
+
+
+def not_written(path: Path, error: OSError, instead: str = CONTINUE_ELSEWHERE) -> UsageError:
     """The one line for a file that could not be written (a full disk, a read-only folder)."""
-    fix = "another output_dir, then run the same command to continue" if instead == "another output_dir" else instead
-    return UsageError(f"cannot write {str(path)!r}: {error.strerror or error}; free disk space or choose {fix}")
+    return UsageError(f"cannot write {str(path)!r}: {error.strerror or error}; free disk space or choose {instead}")
 
 
 def read_json_lines(path: Path) -> tuple[list[dict], list[str]]:

@@ -95,21 +95,12 @@ def freeze_setup_objects() -> None:
     """
     gc.collect()
     gc.freeze()
-{%- if cookiecutter.fsdp %}
 
 
-def set_host_allocator(parts=()) -> bool:
-    """Fix glibc's allocator thresholds for the training steps: a part's own settings
-    (`Part.host_allocator`, e.g. FSDP's), else STEPS_REUSE_FREED. Returns whether they
+def set_host_allocator({{ 'parts=()' if cookiecutter.fsdp }}) -> bool:
+    """Fix glibc's allocator thresholds for the training steps: {% if cookiecutter.fsdp %}a part's own settings
+    (`Part.host_allocator`, e.g. FSDP's), else {% endif %}STEPS_REUSE_FREED. Returns whether they
     were set: not where the launch set them, nor with another C library.
-{%- else %}
-
-
-def set_host_allocator() -> bool:
-    """Fix glibc's allocator thresholds for the training steps (STEPS_REUSE_FREED).
-    Returns whether they were set: not where the launch set them, nor with another C
-    library.
-{%- endif %}
 
     With glibc's defaults, a block above an adaptive threshold (at most 32 MiB) gets its
     own mmap and goes back to the kernel when freed, and the threshold rises to the size

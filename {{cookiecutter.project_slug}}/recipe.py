@@ -140,20 +140,12 @@ def warmup_steps(optim: OptimConfig, steps_per_epoch: int | None) -> int:
 def total_steps(cfg, steps_per_epoch: int | None) -> int:
     """The run's length in optimizer steps: train.max_steps, else its epochs'."""
     return cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
-{%- if cookiecutter.freezing %}
 
 
-def lr_factor(step: int, cfg, steps_per_epoch: int, first_step: int = 0) -> float:
+def lr_factor(step: int, cfg, steps_per_epoch: int{{ ', first_step: int = 0' if cookiecutter.freezing }}) -> float:
     """Multiplier of the base lr at optimizer step `step` (0-based): a linear warmup, then the
-    schedule. Parameters trained from `first_step` warm up again from there (a full lr at
-    once can throw the model off)."""
-{%- else %}
-
-
-def lr_factor(step: int, cfg, steps_per_epoch: int) -> float:
-    """Multiplier of the base lr at optimizer step `step` (0-based): a linear warmup, then the
-    schedule."""
-{%- endif %}
+    schedule.{% if cookiecutter.freezing %} Parameters trained from `first_step` warm up again from there (a full lr at
+    once can throw the model off).{% endif %}"""
     optim = cfg.optim
     warmup = warmup_steps(optim, steps_per_epoch)
     if step < warmup:

@@ -516,15 +516,11 @@ class Checkpointer:
     Every rank must call its methods: they gather every rank's RNG state, and all ranks
     stop together if rank 0 cannot write.
     """
+
+    def __init__(self, cfg: Config, env: DistEnv, device: torch.device{{ ', provenance: dict | None = None' if cookiecutter.run_record }}):
+        self.cfg, self.env, self.device = cfg, env, device
 {%- if cookiecutter.run_record %}
-
-    def __init__(self, cfg: Config, env: DistEnv, device: torch.device, provenance: dict | None = None):
-        self.cfg, self.env, self.device = cfg, env, device
         self.provenance = provenance  # what produced the run (engine/run_record.py), in every checkpoint
-{%- else %}
-
-    def __init__(self, cfg: Config, env: DistEnv, device: torch.device):
-        self.cfg, self.env, self.device = cfg, env, device
 {%- endif %}
         self.directory = checkpoint_dir(cfg.output_dir)
 

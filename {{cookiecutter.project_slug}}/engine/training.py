@@ -541,18 +541,13 @@ def full_on_main(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 class EpochStats:
     """The losses since the last evaluation (an epoch's, unless train.eval_every_steps),
     summed on the device (no host sync per step), and their clock."""
+
+    def __init__(self, device: torch.device{{ ', throughput: Throughput | None = None' if cookiecutter.throughput }}):
+        self.device = device
 {%- if cookiecutter.throughput %}
-
-    def __init__(self, device: torch.device, throughput: Throughput | None = None):
-        self.device = device
         self.throughput = throughput or Throughput(device=device)  # the task's items, the MFU
-        self.reset()
-{%- else %}
-
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.reset()
 {%- endif %}
+        self.reset()
 
     def reset(self) -> None:
         self.loss_sums = {"loss": torch.zeros((), device=self.device)}  # and named losses, once seen

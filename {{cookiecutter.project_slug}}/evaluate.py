@@ -10,6 +10,7 @@ given; key=value overrides apply on top (e.g. train.num_workers=0).
 
 import argparse
 import json
+from functools import partial
 from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing.errors import record
@@ -77,7 +78,8 @@ def main(argv=None) -> None:
         # Its workers end with the `with`, before the process group does.
         hooks = {"collate_fn": getattr(data, "collate_fn", None), "worker_init_fn": leave_stop_signals_to_the_rank}
         with build_val_loader(val_set, cfg, env, device, **hooks) as val_loader:
-            metrics = evaluate(model, val_loader, validation_step, build_metrics(cfg), device, cfg.train.precision)
+            step = partial(validation_step, cfg=cfg)
+            metrics = evaluate(model, val_loader, step, build_metrics(cfg), device, cfg.train.precision)
         if is_main():
             shown = {"checkpoint": args.checkpoint, "step": ckpt.get("step"){{ ', "weights": args.weights' if cookiecutter.ema }}}
             print(json.dumps({**shown, **metrics}), flush=True)

@@ -176,7 +176,9 @@ def describe(cfg, world_size: int, steps_per_epoch: int | None) -> str:
             f" = optim.lr {optim.lr:g} scaled from batch {optim.reference_batch} to {batch} "
             f"({rule} rule; optim.scale_lr=false takes optim.lr as is)"
         )
-    line = f"{lr}, warmup {warmup_steps(optim, steps_per_epoch)} steps, {optim.schedule} schedule"
+    warmup = warmup_steps(optim, steps_per_epoch)
+    rise = f"warmup {warmup} steps (linear from lr/{warmup})" if warmup else "no warmup"
+    line = f"{lr}; set at every optimizer step: {rise}, then the {optim.schedule} schedule"
     if steps_per_epoch is not None and steps_per_epoch < FEW_STEPS:
         line += f"; only {steps_per_epoch} steps per epoch: a smaller effective batch or more epochs train better"
     return line

@@ -13,6 +13,7 @@ Exit codes: 0 done (or at train.stop_at_step); 75 stopped by a signal, run it ag
 
 import argparse
 import enum
+import functools
 import gc
 import time
 from pathlib import Path
@@ -48,6 +49,7 @@ from engine.parts import build_parts
     EpochStats,
     NonFiniteGuard,
     TrainState,
+    beyond_a_plain_loop,
     build_grad_scaler,
     check_precision,
     forward_backward,
@@ -136,7 +138,8 @@ def load_train_objs(cfg, env, device, checkpointer: Checkpointer, parts: list, v
         train_set, val_set = build_datasets(cfg)  # every process reads at once
     # data.py may define collate_fn; workers leave the launcher's stop signals to their rank.
     hooks = {"collate_fn": getattr(data, "collate_fn", None), "worker_init_fn": leave_stop_signals_to_the_rank}
-    train_loader = build_train_loader(train_set, cfg, env, device, vote_group, **hooks)
+    train_order = getattr(data, "train_order", None)  # the epoch's sample order, if data.py has its own
+    train_loader = build_train_loader(train_set, cfg, env, device, vote_group, **hooks, train_order=train_order)
     val_loader = build_val_loader(val_set, cfg, env, device, **hooks)
     steps = steps_per_epoch(train_loader, cfg)
 
@@ -209,6 +212,7 @@ def start_run_log(cfg, env, state: TrainState, loaders{{ ', provenance: dict' if
                 f"effective batch {per_step}; {length}"
             )
             log(recipe.describe(cfg, env.world_size, state.steps_per_epoch))
+            log(beyond_a_plain_loop(cfg.train, state, getattr(train_loader.sampler, "epoch_samples", None), per_step))
 {%- if cookiecutter.tracking %}
             run_log = RunLog(cfg, per_step, state.step, state.parts)  # and the parts' records, e.g. trackers
 {%- else %}
@@ -250,9 +254,8 @@ def evaluate_weights(state: TrainState, val_loader, cfg, max_batches=None, stop:
 {%- endif %}
     metrics = build_metrics(cfg)
     during = stop.during_evaluation() if stop is not None else None
-    return evaluate(
-        state.model, val_loader, validation_step, metrics, state.device, cfg.train.precision, max_batches, during
-    )
+    step = functools.partial(validation_step, cfg=cfg)  # model.py's, with the run's settings
+    return evaluate(state.model, val_loader, step, metrics, state.device, cfg.train.precision, max_batches, during)
 
 
 class Outcome(enum.Enum):
@@ -272,6 +275,8 @@ class Run:
         self.cfg, self.env, self.state = cfg, env, state
         self.checkpointer, self.stop, self.log = checkpointer, stop, log
         self.train_loader, self.val_loader = loaders
+        self.training_step = functools.partial(training_step, cfg=cfg)  # model.py's, with the run's settings
+        self.augment_batch = getattr(data, "augment_batch", None)  # data.py's, if any (e.g. MixUp)
 {%- if cookiecutter.throughput %}
         # The losses since the last evaluation, the task's items (model.py's count_items), the MFU.
         self.stats = EpochStats(state.device, Throughput.of_run(cfg, state.device, getattr(task, "count_items", None)))
@@ -324,6 +329,17 @@ class Run:
             return state.epoch >= self.cfg.train.epochs
         return state.step > last or (state.step == last and state.evaluated_step == last)
 
+    def augmented(self, batch):
+        """A training batch through data.py's `augment_batch`, which evaluation never sees. Its
+        draws from torch's CPU RNG are seeded per (seed, rank, epoch, micro-batch), so a resumed
+        run augments each batch as the run left alone did; the caller's RNG is given back."""
+        if self.augment_batch is None:
+            return batch
+        state = self.state
+        with borrowed_rng(cpu_generator_only=True) as generator:
+            generator.manual_seed(derive_seed(self.cfg.seed, self.env.rank, state.epoch, state.batches_done))
+            return self.augment_batch(batch, self.cfg)
+
     def evaluation_due(self) -> bool:
         """Within an epoch: every train.eval_every_steps steps, and at train.max_steps."""
         step, every, last = self.state.step, self.cfg.train.eval_every_steps, self.cfg.train.max_steps
@@ -342,13 +358,13 @@ class Run:
         state.train_model.train()
         try:
             for batch in self.train_loader:
-                batch = move_to_device(batch, state.device, memory_format(cfg))
+                batch = self.augmented(move_to_device(batch, state.device, memory_format(cfg)))
 {%- if cookiecutter.throughput %}
                 with self.stats.throughput.counting_flops():  # the first micro-batch's, for the MFU
-                    losses = forward_backward(state, batch, training_step, cfg.train.precision)  # the loss, backward
+                    losses = forward_backward(state, batch, self.training_step, cfg.train.precision)  # loss, backward
                 self.stats.add(losses, batch)
 {%- else %}
-                losses = forward_backward(state, batch, training_step, cfg.train.precision)  # the task's loss, backward
+                losses = forward_backward(state, batch, self.training_step, cfg.train.precision)  # the task's loss
                 self.stats.add(losses)
 {%- endif %}
                 if not state.completes_step():

@@ -36,6 +36,7 @@ stream's random augmentations draw from a generator of their own, seeded per (se
 epoch, reader), never from the training's.
 """
 
+import collections
 import dataclasses
 import itertools
 from collections.abc import Callable, Mapping
@@ -53,13 +54,29 @@ from engine.seeding import borrowed_rng, derive_seed, sample_seeds
 
 class TrainSampler(DistributedSampler):
     """DistributedSampler that draws exactly `num_batches` batches, can start mid-epoch,
-    and yields (sample seed, index): the seed is a function of (seed, epoch, index) only."""
+    and yields (sample seed, index): the seed is a function of (seed, epoch, index) only.
 
-    def __init__(self, dataset, env: DistEnv, seed: int, batch_size: int, num_batches: int):
+    `order` is data.py's `train_order(num_samples, generator)`, if it has one: the epoch's
+    indices over all ranks (e.g. each repeated, for repeated augmentation) instead of a
+    random permutation. Rank r takes every world_size-th of them, as from the permutation,
+    and the n-th repeat of an index gets a seed of its own."""
+
+    def __init__(self, dataset, env: DistEnv, seed: int, batch_size: int, num_batches=0, order: Callable | None = None):
         super().__init__(dataset, env.world_size, env.rank, shuffle=True, seed=seed, drop_last=True)
-        self.batch_size = batch_size
-        self.num_batches = num_batches
-        self.start_batch = 0
+        self.batch_size, self.num_batches, self.order = batch_size, num_batches, order
+        self.start_batch, self.epoch_samples = 0, None
+        self.epoch_samples = len(self.epoch_order()) if order else len(dataset)  # the same every epoch
+
+    def epoch_order(self) -> list[int]:
+        """data.py's train_order for this epoch, checked; its generator is seeded as the permutation's."""
+        size = len(self.dataset)
+        order = [int(i) for i in self.order(size, torch.Generator().manual_seed(self.seed + self.epoch))]
+        if any(not 0 <= i < size for i in order) or self.epoch_samples not in (None, len(order)):
+            raise UsageError(
+                f"data.py's train_order gave {len(order)} indices for epoch {self.epoch}; give the same number "
+                f"every epoch, each in [0, {size}) (the training set's samples)"
+            )
+        return order
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         """Call before every epoch: it picks the epoch's permutation (and resume point)."""
@@ -67,10 +84,18 @@ class TrainSampler(DistributedSampler):
         self.start_batch = start_batch
 
     def __iter__(self):
-        indices = list(super().__iter__())
+        if self.order is None:
+            indices = keys = list(super().__iter__())
+        else:
+            order, seen, size = self.epoch_order(), collections.Counter(), len(self.dataset)
+            keys = []
+            for index in order:  # the n-th repeat of an index is seeded as index + n x size
+                keys.append(index + seen[index] * size)
+                seen[index] += 1
+            indices, keys = order[self.rank :: self.num_replicas], keys[self.rank :: self.num_replicas]
         begin, end = self.start_batch * self.batch_size, self.num_batches * self.batch_size
-        indices = indices[begin:end]
-        return zip(sample_seeds(derive_seed(self.seed, self.epoch), indices), indices, strict=True)
+        seeds = sample_seeds(derive_seed(self.seed, self.epoch), keys[begin:end])
+        return zip(seeds, indices[begin:end], strict=True)
 
     def __len__(self):
         return (self.num_batches - self.start_batch) * self.batch_size
@@ -162,7 +187,8 @@ def build_train_loader(
     dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device, vote_group=None, **hooks
 ) -> DataLoader:
     """`hooks`: `collate_fn` makes a batch from a list of samples (None: torch's
-    default_collate); `worker_init_fn` runs first in each worker process. A stream
+    default_collate); `worker_init_fn` runs first in each worker process; `train_order`:
+    TrainSampler's. A stream
     (IterableDataset) is read in parts, its ranks voting on `vote_group`: engine/loader.py."""
     if isinstance(dataset, IterableDataset):
         if not cfg.train.max_steps:
@@ -170,13 +196,14 @@ def build_train_loader(
                 "the training set is a stream (an IterableDataset), which has no length to count epochs in; "
                 "set train.max_steps, the run's length in optimizer steps"
             )
+        if hooks.get("train_order"):
+            raise UsageError("data.py's train_order orders a training set with a length; a stream orders itself")
         stream = StreamParts(dataset, env.rank, env.world_size, cfg.seed)
         loader = make_loader(stream, cfg, device, hooks, batch_size=cfg.train.batch_size, drop_last=True)
         loader.steps = StreamSteps(cfg.train.accum_steps, vote_group)
         return loader
-    sampler = TrainSampler(
-        dataset, env, cfg.seed, cfg.train.batch_size, micro_batches_per_epoch(len(dataset), cfg, env)
-    )
+    sampler = TrainSampler(dataset, env, cfg.seed, cfg.train.batch_size, order=hooks.get("train_order"))
+    sampler.num_batches = micro_batches_per_epoch(sampler.epoch_samples, cfg, env)
     return make_loader(SeededSamples(dataset), cfg, device, hooks, sampler=sampler, batch_size=cfg.train.batch_size)
 
 

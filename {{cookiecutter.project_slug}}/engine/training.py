@@ -406,6 +406,19 @@ class TrainState:
         self.epoch, self.batches_done = self.epoch + 1, 0
 
 
+def beyond_a_plain_loop(train: TrainConfig, state: TrainState, epoch_samples: int | None, per_step: int) -> str:
+    """The opening line on what this run does to the math that a plain loop would not, each
+    with the setting that turns it off (recipe.py's line says how the lr came about)."""
+    said = [f"gradients clipped to norm {train.grad_clip:g} (train.grad_clip=0: off)"] if train.grad_clip else []
+    if any(isinstance(module, nn.SyncBatchNorm) for module in state.model.modules()):
+        said.append("BatchNorm statistics over every process (dist.sync_bn=false: each its own)")
+    if epoch_samples is not None and (tail := epoch_samples - state.steps_per_epoch * per_step):
+        said.append(f"each epoch leaves out its last {tail} of {epoch_samples} samples (less than one effective batch)")
+    if train.accum_steps > 1:
+        said.append(f"gradients of {train.accum_steps} micro-batches summed per step (train.accum_steps)")
+    return "beyond a plain loop: " + ("; ".join(said) or "nothing")
+
+
 def forward_backward(state: TrainState, batch, training_step, precision: str) -> dict[str, torch.Tensor]:
     """Forward and backward of one micro-batch; returns its losses, detached: "loss" (what
     backward ran on) and, when `training_step` returns named losses, each of them.

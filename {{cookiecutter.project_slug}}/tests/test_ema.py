@@ -106,3 +106,40 @@ def test_fine_tuning_starts_the_average_from_the_loaded_weights(tmp_path):
     ema = load_checkpoint(tmp_path / "tuned" / "checkpoints" / "last.pt")["ema"]
     for key, value in loaded.items():
         assert torch.allclose(ema[key].float(), value.float(), atol=1e-4), key  # not the fresh model's weights
+
+
+def test_an_update_period_averages_every_nth_step_only():
+    model = nn.Linear(2, 1)
+    ema = WeightEMA(decay=0.5, every_steps=3).attach(model)
+    for step in range(1, 7):
+        before = ema.tensors["weight"].clone()
+        with torch.no_grad():
+            model.weight.add_(1.0)
+        ema.update(step)
+        expected = 0.5 * before + 0.5 * model.weight if step % 3 == 0 else before
+        assert torch.allclose(ema.tensors["weight"], expected), step
+
+
+# torchvision's classification recipe: an update every 32 steps (here 2), its decay
+# adjusted to the batch per step and the epochs, and the average starting after the warmup.
+REFERENCE_STYLE = ["ema.decay=0.99", "ema.adjust=true", "ema.every_steps=2", "ema.warmup_epochs=1"]
+
+
+def test_the_reference_settings_average_alike_on_1_and_2_processes_at_equal_effective_batch(tmp_path):
+    """The same samples per step (32 = 32 x 1 = 16 x 2): the same decay, the same start, and
+    averages equal to float rounding (the processes' gradients are summed in another order)."""
+    args = [*FAST, "data.train_size=256", "train.epochs=3", *REFERENCE_STYLE]
+    lines, checkpoints = [], []
+    for nproc, batch_size in ((1, 32), (2, 16)):
+        out = tmp_path / f"n{nproc}"
+        result = run_script("train.py", [*args, f"train.batch_size={batch_size}", f"output_dir={out}"], nproc=nproc)
+        lines.append(next(line for line in result.stdout.splitlines() if line.startswith("ema: decay")))
+        checkpoints.append(load_checkpoint(out / "checkpoints" / "last.pt"))
+    # 1 - (1 - 0.99) x 32 x 2 / 3 epochs, from the end of epoch 1 (8 steps of 32 samples)
+    assert lines[0] == lines[1] == "ema: decay 0.786667 every 2 optimizer step(s), following the weights to step 8"
+    one, two = (tensors(c["ema"]) for c in checkpoints)
+    assert one.keys() == two.keys()
+    for name, tensor in one.items():
+        assert torch.allclose(tensor, two[name], rtol=1e-4, atol=1e-6), name
+    moved = tensors(checkpoints[0]["model"])
+    assert any(not torch.equal(moved[name], tensor) for name, tensor in one.items())  # an average, not the weights

@@ -63,7 +63,7 @@ def targets(tokens):
     return (tokens + 1) % VOCAB
 
 
-def training_step(model, batch):
+def training_step(model, batch, cfg):
     logits = model(batch["tokens"])
     loss = F.cross_entropy(logits[batch["mask"]], targets(batch["tokens"])[batch["mask"]])
     return {"tokens": loss}
@@ -73,7 +73,7 @@ def build_metrics(cfg) -> dict:
     return {"acc": Mean()}
 
 
-def validation_step(model, batch, metrics) -> None:
+def validation_step(model, batch, metrics, cfg) -> None:
     hits = (model(batch["tokens"]).argmax(-1) == targets(batch["tokens"])).float() * batch["mask"]
     metrics["acc"].update(hits.sum(1) / batch["mask"].sum(1))
 """

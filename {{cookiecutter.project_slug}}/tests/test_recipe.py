@@ -33,7 +33,7 @@ def test_the_log_line_shows_how_the_lr_was_derived():
     assert line.startswith("lr 0.1 = optim.lr 0.2 scaled from batch 128 to 32x2x1 (linear rule;")
     assert "warmup 20 steps" in line
     as_is = RECIPE.describe(reference_config(None, ["optim.scale_lr=false"]), world_size=2, steps_per_epoch=40)
-    assert as_is == "lr 0.2, warmup 40 steps, cosine schedule"
+    assert as_is == "lr 0.2; set at every optimizer step: warmup 40 steps (linear from lr/40), then the cosine schedule"
     few = RECIPE.describe(cfg, world_size=2, steps_per_epoch=4)
     assert few.endswith("; only 4 steps per epoch: a smaller effective batch or more epochs train better")
 

@@ -17,13 +17,22 @@ What train.py and evaluate.py use from here:
 - `build_predict_set(cfg, source) -> dataset` (for predict.py): new inputs, pre-processed
   as validation samples are, each with its name: here (image tensor, file path) for every
   image file under the folder `source`.
+- `augment_batch(batch, cfg) -> batch` (optional): augments a whole training batch
+  (e.g. torchvision's v2.MixUp or v2.CutMix), on the device, before `training_step`;
+  validation and prediction batches never pass through it.
+- `train_order(num_samples, generator) -> indices` (optional): the epoch's order of
+  training samples over all processes instead of a random permutation of them, e.g. each
+  index repeated 3 times (repeated augmentation); draw from `generator`, which is seeded
+  per epoch. The machinery deals it out to the processes in whole steps and resumes in it.
 
 Rules that keep distributed training correct:
 - `__getitem__` returns fresh tensors, never an object the dataset keeps (a caller that
   mutates it would change the dataset, and workers would copy it on every read).
 - Keep per-sample metadata in tensors or arrays, not Python lists of objects.
-- Draw randomness from torch (e.g. torchvision transforms): the machinery seeds it per
-  sample, so augmentations repeat exactly on resume and never repeat across ranks or workers.
+- Randomness lives in two places, both drawn from torch and seeded by the machinery, so
+  they repeat exactly on resume: a sample's transforms (seeded per sample: never repeated
+  across ranks or workers) and `augment_batch` (seeded per training batch). Not in
+  `collate_fn`, which validation batches pass through too.
 - Nothing here is distributed: samplers and loaders are the machinery's.
 """
 
@@ -84,14 +93,13 @@ def prepare_data(cfg) -> None:
 
 def build_datasets(cfg) -> tuple[Dataset, Dataset]:
     data = cfg.data
-    train_tf = train_transform(data.image_size, data.augment)
-    val_tf = v2.Normalize(MEAN, STD)
+    train_tf, val_tf = train_transform(data), val_transform(data)
     if data.name == "synthetic":
         train = SyntheticImages(data.train_size, data.num_classes, data.image_size, cfg.seed, "train", train_tf)
         val = SyntheticImages(data.val_size, data.num_classes, data.image_size, cfg.seed, "val", val_tf)
         return train, val
     if data.name == "imagefolder":
-        return image_folder(Path(data.root), data.image_size, train_tf)
+        return image_folder(Path(data.root), train_tf, val_tf)
     if data.name == "cifar10":
         return cifar10(Path(data.root), train_tf, val_tf)
     raise ConfigError(f"unknown data.name {data.name!r}: add it to build_datasets in data.py")
@@ -106,24 +114,33 @@ def count_classes(cfg) -> int:
     return cfg.data.num_classes
 
 
-def train_transform(image_size: int, augment: bool) -> v2.Transform:
-    steps = [v2.RandomCrop(image_size, padding=image_size // 8), v2.RandomHorizontalFlip()] if augment else []
-    return v2.Compose([*steps, v2.Normalize(MEAN, STD)])
+def train_transform(data: DataConfig) -> v2.Transform:
+    """A training image as read (a PIL image from files, or a tensor) to the model's input:
+    yours to replace whole, e.g. v2.RandomResizedCrop and v2.AutoAugment on the original image."""
+    size = data.image_size
+    augment = [v2.RandomCrop(size, padding=size // 8), v2.RandomHorizontalFlip()] if data.augment else []
+    return v2.Compose([*as_float_image(size), *augment, v2.Normalize(MEAN, STD)])
 
 
-def image_folder(root: Path, image_size: int, train_tf) -> tuple[Dataset, Dataset]:
+def val_transform(data: DataConfig) -> v2.Transform:
+    """A validation (or prediction) image as read to the model's input."""
+    return v2.Compose([*as_float_image(data.image_size), v2.Normalize(MEAN, STD)])
+
+
+def image_folder(root: Path, train_tf, val_tf) -> tuple[Dataset, Dataset]:
     """<root>/train/<class>/<image> and <root>/val/<class>/<image>. Labels are indices
     in train/'s sorted class folders, in both splits: val/ may lack a class, but a class
     folder train/ does not have is an error (the model never learns it)."""
     classes = class_names(root / "train", "train")
     check_val_classes(root / "val", classes)
-    train = ImageFiles(root / "train", classes, v2.Compose([*resized(image_size), train_tf]))
-    val = ImageFiles(root / "val", classes, v2.Compose([*resized(image_size), v2.Normalize(MEAN, STD)]))
+    train = ImageFiles(root / "train", classes, train_tf)
+    val = ImageFiles(root / "val", classes, val_tf)
     return train, val
 
 
-def resized(image_size: int) -> list[v2.Transform]:
-    """A PIL image as a float tensor, its shorter side scaled to image_size and its centre cut square."""
+def as_float_image(image_size: int) -> list[v2.Transform]:
+    """A PIL image or tensor as a float image, its shorter side scaled to image_size and its
+    centre cut square (an image of that size already passes unchanged)."""
     return [v2.ToImage(), v2.Resize(image_size), v2.CenterCrop(image_size), v2.ToDtype(torch.float32, scale=True)]
 
 
@@ -138,7 +155,7 @@ def build_predict_set(cfg, source: str) -> Dataset:
     files = image_files(folder, IMG_EXTENSIONS)
     if not files:
         raise DataError(f"--inputs: {source!r} holds no image files ({', '.join(IMG_EXTENSIONS)}); add some")
-    return ImagePaths(files, v2.Compose([*resized(cfg.data.image_size), v2.Normalize(MEAN, STD)]))
+    return ImagePaths(files, val_transform(cfg.data))
 
 
 def image_files(folder: Path, extensions: tuple) -> list[str]:
@@ -259,10 +276,9 @@ def read_image(path: str):
 def cifar10(root: Path, train_tf, val_tf) -> tuple[Dataset, Dataset]:
     from torchvision.datasets import CIFAR10
 
-    to_tensor = [v2.ToImage(), v2.ToDtype(torch.float32, scale=True)]
     try:
-        train = CIFAR10(str(root), train=True, transform=v2.Compose([*to_tensor, train_tf]))
-        val = CIFAR10(str(root), train=False, transform=v2.Compose([*to_tensor, val_tf]))
+        train = CIFAR10(str(root), train=True, transform=train_tf)
+        val = CIFAR10(str(root), train=False, transform=val_tf)
     except RuntimeError:  # torchvision's "Dataset not found or corrupted"
         raise DataError(
             f"cifar10: no complete dataset in {str(root / 'cifar-10-batches-py')!r}; set data.download=true "

@@ -6,9 +6,12 @@ What train.py and evaluate.py use from here:
   machinery converts BatchNorm to SyncBatchNorm, moves it to the device and wraps it
   in DDP{% if cookiecutter.fsdp %} or FSDP. Under FSDP, ranks other than 0 build it on the meta device (no memory)
   and receive rank 0's weights: it may create tensors but not read their values{% endif %}.
-- `training_step(model, batch) -> loss`: the loss of one batch (a tensor), or a dict of
-  named losses: backward runs on their sum, and each is logged as `train_<name>`.
-- `build_metrics(cfg) -> {name: metric}` and `validation_step(model, batch, metrics)`:
+- `training_step(model, batch, cfg) -> loss`: the loss of one batch (a tensor), or a dict
+  of named losses: backward runs on their sum, and each is logged as `train_<name>`.
+  `cfg` is the run's config (e.g. cfg.model.<your setting>): keep settings and helper
+  objects there or in this module, not as attributes of the model, where a module (a
+  torchvision transform is one) would become part of the model.
+- `build_metrics(cfg) -> {name: metric}` and `validation_step(model, batch, metrics, cfg)`:
   the validation metrics (engine.metrics: `Mean`, `Sum`, or `Gathered` for metrics that
   are not sums, such as AUROC or mAP), updated batch by batch; each is reported as
   `val_<name>`, exact over the whole validation set on any number of processes.
@@ -47,6 +50,7 @@ class ModelConfig:
     name: str = "resnet18"  # resnet18 (BatchNorm) | mlp (small, fast on CPU)
     hidden_dim: int = 256  # mlp only
     dropout: float = 0.0  # mlp only
+    label_smoothing: float = 0.0  # of the training loss's targets (e.g. 0.1); 0 = plain cross-entropy
 {%- if cookiecutter.pretrained %}
     pretrained: str = ""  # resnet18 only: torchvision weights to start from, e.g. ResNet18_Weights.DEFAULT
 
@@ -63,8 +67,9 @@ class ModelConfig:
                 f"model.pretrained is for resnet18, not {self.name}; set model.name=resnet18 or leave it empty"
             )
 {%- endif %}
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"model.dropout must be in [0, 1), got {self.dropout}")
+        for key in ("dropout", "label_smoothing"):
+            if not 0.0 <= getattr(self, key) < 1.0:
+                raise ConfigError(f"model.{key} must be in [0, 1), got {getattr(self, key)}")
 
 
 class MLPBlock(nn.Module):
@@ -100,16 +105,16 @@ def build_model(cfg) -> nn.Module:
     return MLP(in_features, cfg.model.hidden_dim, num_classes, cfg.model.dropout)
 
 
-def training_step(model: nn.Module, batch):
+def training_step(model: nn.Module, batch, cfg):
     images, labels = batch
-    return F.cross_entropy(model(images), labels)
+    return F.cross_entropy(model(images), labels, label_smoothing=cfg.model.label_smoothing)
 
 
 def build_metrics(cfg) -> dict:
     return {"loss": Mean(), "acc": Mean()}
 
 
-def validation_step(model: nn.Module, batch, metrics: dict) -> None:
+def validation_step(model: nn.Module, batch, metrics: dict, cfg) -> None:
     images, labels = batch
     logits = model(images).float()
     metrics["loss"].update(F.cross_entropy(logits, labels, reduction="none"))

@@ -17,7 +17,8 @@ from conftest import (
     run_script,
 )
 
-# The task at a small scale for the exactness tests: seconds per run.
+# The task at a small scale for the exactness tests: seconds per run. These are the example's
+# settings (data.* sizes are synthetic data's): with your own data, set what makes a run short.
 SMALL_TASK = [
     "model.name=mlp",
     "model.hidden_dim=32",
@@ -67,11 +68,20 @@ def test_the_default_recipe_learns_on_any_number_of_processes(tmp_path, model, n
     args = [*SMALL_DEFAULT_RUN, *SHORTER[model], f"model.name={model}", f"output_dir={tmp_path}"]
     result = run_script("train.py", args, nproc=nproc, timeout=600, cwd=PROJECT)
     expected_lr = 0.2 * 32 * nproc / 128
-    assert f"lr {expected_lr:.4g} = optim.lr 0.2 scaled from batch 128 to 32x{nproc}x1" in result.stdout
+    assert f"lr {expected_lr:.4g} = optim.lr 0.2 scaled from batch 128 to 32x{nproc}x1" in result.stdout, (
+        "the example recipe's lr line: after changing recipe.py or optim:, write your recipe's lr here"
+    )
     metrics = read_metrics(tmp_path)
     assert all(math.isfinite(row["train_loss"]) for row in metrics)
-    assert metrics[-1]["train_loss"] < 0.7 * metrics[0]["train_loss"]
-    assert metrics[-1]["val_acc"] > 0.5, metrics  # 10 classes: chance is 0.1
+    assert_learns(metrics)
+
+
+def assert_learns(metrics: list[dict]) -> None:
+    """The example's bar for 4 small epochs: adapt it to your task (label smoothing and MixUp,
+    for one, keep the training loss well above 70% of its start)."""
+    adapt = "the example's bar for learning; set what your task reaches in this test (test_task.py)"
+    assert metrics[-1]["train_loss"] < 0.7 * metrics[0]["train_loss"], f"{adapt}: {metrics}"
+    assert metrics[-1]["val_acc"] > 0.5, f"{adapt}: {metrics}"  # 10 classes: chance is 0.1
 
 
 @pytest.mark.parametrize("batch_size", [16, 256])
@@ -80,9 +90,7 @@ def test_the_default_recipe_learns_at_small_and_large_per_process_batches(tmp_pa
     rate scales with the batch, and warmup lasts one epoch whatever its length."""
     args = [*SMALL_DEFAULT_RUN, "model.name=mlp", f"train.batch_size={batch_size}", f"output_dir={tmp_path}"]
     run_script("train.py", args, timeout=600, cwd=PROJECT)
-    metrics = read_metrics(tmp_path)
-    assert metrics[-1]["train_loss"] < 0.7 * metrics[0]["train_loss"]
-    assert metrics[-1]["val_acc"] > 0.5, metrics  # 10 classes: chance is 0.1
+    assert_learns(read_metrics(tmp_path))
 
 
 def test_evaluation_gives_the_same_metrics_on_1_2_and_3_processes(tmp_path):

@@ -6,9 +6,12 @@ What train.py and evaluate.py use from here:
   machinery converts BatchNorm to SyncBatchNorm, moves it to the device and wraps it
   in DDP{% if cookiecutter.fsdp %} or FSDP. Under FSDP, ranks other than 0 build it on the meta device (no memory)
   and receive rank 0's weights: it may create tensors but not read their values{% endif %}.
-- `training_step(model, batch) -> loss`: the loss of one batch (a tensor), or a dict of
-  named losses: backward runs on their sum, and each is logged as `train_<name>`.
-- `build_metrics(cfg) -> {name: metric}` and `validation_step(model, batch, metrics)`:
+- `training_step(model, batch, cfg) -> loss`: the loss of one batch (a tensor), or a dict
+  of named losses: backward runs on their sum, and each is logged as `train_<name>`.
+  `cfg` is the run's config (e.g. cfg.model.<your setting>): keep settings and helper
+  objects there or in this module, not as attributes of the model, where a module (a
+  torchvision transform is one) would become part of the model.
+- `build_metrics(cfg) -> {name: metric}` and `validation_step(model, batch, metrics, cfg)`:
   the validation metrics (engine.metrics: `Mean`, `Sum`, or `Gathered`), updated batch by
   batch; each is reported as `val_<name>`, exact over the whole validation set on any
   number of processes.
@@ -79,7 +82,7 @@ def build_model(cfg) -> nn.Module:
     )
 
 
-def training_step(model: nn.Module, batch):
+def training_step(model: nn.Module, batch, cfg):
     images, targets = batch
     # torchvision's detectors return their losses in train mode: here FCOS's focal
     # classification loss, its box regression (GIoU) loss and its centre-ness loss.
@@ -92,7 +95,7 @@ def build_metrics(cfg) -> dict:
     return {"coco": Gathered(compute=coco_map)}
 
 
-def validation_step(model: nn.Module, batch, metrics: dict) -> None:
+def validation_step(model: nn.Module, batch, metrics: dict, cfg) -> None:
     images, targets = batch
     predictions = model(images)  # eval mode: boxes, labels and scores per image
     metrics["coco"].update(predictions, targets)

@@ -2,8 +2,12 @@
 them (its metrics as ema_val_*) and saved beside them in checkpoints (evaluate.py
 --weights ema evaluates it alone).
 
-After every optimizer step: ema = decay x ema + (1 - decay) x weights, one fused op on the
-device, no host sync. Until ema.start_step it simply follows the weights. The
+Every ema.every_steps optimizer steps: ema = decay x ema + (1 - decay) x weights, one fused
+op on the device, no host sync. Until ema.start_step (or ema.warmup_epochs) it simply
+follows the weights. With ema.adjust, ema.decay is read as torchvision's classification
+recipe gives it: the decay used is 1 - (1 - decay) x effective batch x every_steps /
+train.epochs, so the averaged share of the run stays the same whatever the processes,
+batch or epochs. The
 average covers the model's state dict (parameters and persistent buffers; integer
 buffers such as BatchNorm's batch count are copied). Under FSDP it holds each tensor
 sharded like the model, so no rank holds the whole average either.
@@ -13,6 +17,7 @@ To evaluate it, `swapped_into_model()` exchanges it with the model's weights in 
 """
 
 import contextlib
+import math
 from dataclasses import dataclass
 
 import torch
@@ -20,8 +25,9 @@ import torch.nn as nn
 {% if cookiecutter.fsdp %}from torch.distributed.fsdp import FSDPModule
 {% endif %}from torch.distributed.tensor import DTensor
 
-from engine.config import check_positive, shown
+from engine.config import check_positive, effective_batch, shown
 from engine.errors import ConfigError
+from engine.logs import log
 from engine.parts import Part
 
 
@@ -29,16 +35,27 @@ from engine.parts import Part
 class Section:
     decay: float = 0.0  # an average of the weights, evaluated beside them (e.g. 0.999); 0 = off
     start_step: int = 0  # until this optimizer step the average just follows the weights
+    warmup_epochs: float = 0.0  # the same in epochs (e.g. the lr's warmup): the later of the two counts
+    every_steps: int = 1  # average every this many optimizer steps (torchvision's recipe: 32)
+    adjust: bool = False  # true: decay as torchvision's recipe gives it, for its batch per step and epochs
 
     def __post_init__(self):
         check_positive("ema.decay", self.decay, allow_zero=True)
         check_positive("ema.start_step", self.start_step, allow_zero=True)
+        check_positive("ema.warmup_epochs", self.warmup_epochs, allow_zero=True)
+        check_positive("ema.every_steps", self.every_steps)
         if self.decay >= 1:
             raise ConfigError(f"ema.decay must be below 1 (e.g. 0.999), got {shown(self.decay)}")
 
 
 def build(cfg, env) -> "WeightEMA | None":
-    return WeightEMA(cfg.ema.decay, cfg.ema.start_step) if cfg.ema.decay else None
+    if not cfg.ema.decay:
+        return None
+    decay = cfg.ema.decay
+    if cfg.ema.adjust:  # the same share of the run averaged whatever the batch, processes or epochs
+        samples_between = effective_batch(cfg.train, env.world_size) * cfg.ema.every_steps
+        decay = 1.0 - min(1.0, (1.0 - decay) * samples_between / cfg.train.epochs)
+    return WeightEMA(decay, cfg.ema.start_step, cfg.ema.every_steps, cfg.ema.warmup_epochs)
 
 
 def local(tensor: torch.Tensor) -> torch.Tensor:
@@ -50,10 +67,17 @@ class WeightEMA(Part):
     name = "ema"
     holds_weights = True
 
-    def __init__(self, decay: float, start_step: int):
+    def __init__(self, decay: float, start_step: int = 0, every_steps: int = 1, warmup_epochs: float = 0.0):
         self.decay, self.start_step = decay, start_step
+        self.every_steps, self.warmup_epochs = every_steps, warmup_epochs
 
     def setup(self, state) -> None:
+        if self.warmup_epochs and state.steps_per_epoch is None:
+            raise ConfigError("ema.warmup_epochs needs epochs, which a stream has none of; use ema.start_step")
+        if self.warmup_epochs:
+            self.start_step = max(self.start_step, math.ceil(self.warmup_epochs * state.steps_per_epoch))
+        following = f"following the weights to step {self.start_step}"
+        log(f"ema: decay {self.decay:.6g} every {self.every_steps} optimizer step(s), {following}")
         self.attach(state.model)
 
     def after_step(self, state) -> None:
@@ -99,9 +123,12 @@ class WeightEMA(Part):
 
     @torch.no_grad()
     def update(self, step: int) -> None:
-        """After optimizer step `step` (counted from 1): average, or follow until start_step."""
+        """After optimizer step `step` (counted from 1): average every `every_steps` steps, or
+        follow the weights until start_step."""
         if step <= self.start_step:
             self.reset()
+            return
+        if step % self.every_steps:
             return
         live = self.live()
         # One fused op for all tensors (torch.optim.swa_utils averages the same way).

@@ -37,7 +37,7 @@ def build_model(cfg) -> nn.Module:
     return TwoHeads(cfg.data.features, cfg.model)
 
 
-def training_step(model, batch) -> dict:
+def training_step(model, batch, cfg) -> dict:
     main, aux = model(batch.inputs["x"])
     return {"main": F.mse_loss(main, batch.targets.main), "aux": 0.5 * F.l1_loss(aux, batch.targets.aux)}
 
@@ -52,7 +52,7 @@ def build_metrics(cfg) -> dict:
     }
 
 
-def validation_step(model, batch, metrics) -> None:
+def validation_step(model, batch, metrics, cfg) -> None:
     # A draw from torch's RNG, as test-time augmentation makes (left out of the metrics, which
     # must not depend on the rank): the check before training must give the RNG back untouched.
     torch.rand(len(batch.targets.main))

@@ -18,7 +18,7 @@ from engine import Gathered, Mean, Sum
 @dataclass
 class ModelConfig:
     hidden: int = 32
-    token_weight: float = 0.5  # kept on the model: training_step reads model.token_weight
+    token_weight: float = 0.5  # training_step reads it from the run's settings
     # "" | batch_mean | two_columns | loss_none | float_loss | raising_step | plain_metric
     mistake: str = ""
 
@@ -33,8 +33,7 @@ class Tagger(nn.Module):
         self.gru = nn.GRU(16, cfg.hidden, batch_first=True)
         self.token_head = nn.Linear(cfg.hidden, 1)
         self.label_head = nn.Linear(cfg.hidden, 1)
-        self.token_weight = cfg.token_weight
-        self.mistake = cfg.mistake
+        self.mistake = cfg.mistake  # kept on the model: the steps read model.mistake, also under DDP
 
     def forward(self, tokens, mask):
         states, _ = self.gru(self.embed(tokens))
@@ -50,13 +49,13 @@ def token_losses(token_logits, batch):
     return F.binary_cross_entropy_with_logits(token_logits, batch["upper"], reduction="none") * batch["mask"]
 
 
-def training_step(model, batch):
+def training_step(model, batch, cfg):
     token_logits, label_logits = model(batch["tokens"], batch["mask"])
     label = F.binary_cross_entropy_with_logits(label_logits, batch["label"])
     token = token_losses(token_logits, batch).sum() / batch["mask"].sum()
     if model.mistake == "loss_none":
         label = F.binary_cross_entropy_with_logits(label_logits, batch["label"], reduction="none")
-    losses = {"label": label, "token": model.token_weight * token}
+    losses = {"label": label, "token": cfg.model.token_weight * token}
     if model.mistake == "float_loss":
         losses["l2"] = 0.0
     return losses
@@ -78,7 +77,7 @@ def build_metrics(cfg) -> dict:
     return metrics
 
 
-def validation_step(model, batch, metrics) -> None:
+def validation_step(model, batch, metrics, cfg) -> None:
     token_logits, label_logits = model(batch["tokens"], batch["mask"])
     predicted, label = (label_logits > 0).long(), batch["label"].long()
     hits = (predicted == label).float()

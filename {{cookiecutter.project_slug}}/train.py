@@ -369,9 +369,10 @@ class Run:
 {%- endif %}
                 if not state.completes_step():
                     continue  # accumulate gradients
+                lr = state.scheduler.get_last_lr()[0]  # this step's: optimizer_step moves the schedule on
                 optimizer_step(state, cfg.train)
                 self.stats.step_done()
-                progress.update(state.step, losses["loss"], state.scheduler.get_last_lr()[0])
+                progress.update(state.step, losses["loss"], lr)
                 if self.stop.requested(state.step):  # a signal to any rank, or train.stop_at_step
                     return Outcome.STOPPED
                 if state.step % cfg.train.log_every_steps == 0:

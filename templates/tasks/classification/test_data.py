@@ -146,6 +146,29 @@ def test_image_folder_keeps_metadata_in_arrays(tmp_path):
     assert files.classes == ["a", "b"] and len(files) == 6 and files[4][1] == 1
 
 
+def test_the_transforms_see_the_original_image_and_give_the_model_its_input(tmp_path):
+    """data.py's train_transform gets each image as read (here 50 x 40 pixels, PIL), so a
+    pipeline of yours (RandomResizedCrop, AutoAugment) starts from the original."""
+    from PIL import Image
+
+    import data
+
+    seen = []
+    for split in ("train", "val"):
+        (tmp_path / split / "a").mkdir(parents=True)
+        Image.new("RGB", (50, 40), (200, 10, 10)).save(tmp_path / split / "a" / "0.png")
+    cfg = project_config(None, ["data.name=imagefolder", f"data.root={tmp_path}", "data.image_size=16"])
+    made = data.train_transform(cfg.data)
+
+    def watched(image):
+        seen.append(image.size)
+        return made(image)
+
+    train, val = data.image_folder(tmp_path, watched, data.val_transform(cfg.data))
+    image, _ = train[0]
+    assert seen == [(50, 40)] and image.shape == val[0][0].shape == (3, 16, 16) and image.dtype == torch.float32
+
+
 def write_image_folder(root, classes_by_split: dict, images_per_class=2):
     """<root>/<split>/<class>/<n>.png, tiny images."""
     from PIL import Image

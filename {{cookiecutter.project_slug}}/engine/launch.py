@@ -10,9 +10,11 @@ and launch) but for how it ends:
   for a process killed by a signal which one. The exit code is the process's (2 for bad
   input), 128 + the signal for a killed one; torchrun exits 1 for everything.
 - SIGINT or SIGTERM (Ctrl-C, a scheduler's stop): torchrun passes it to every process
-  and waits for them (train.py saves a checkpoint and says so); then one line instead of
-  torchrun's SignalException traceback, exit code 128 + the signal (130, 143), as a shell
-  reports. (`--signals-to-handle=...,SIGUSR1` adds SIGUSR1, as sweep.py does.)
+  and waits for them. When each saved a checkpoint, train.py's `stopped at step N ...`
+  line is the last word and the exit code 75 (stopped: the same command continues), as
+  train.py's own; otherwise one line instead of torchrun's SignalException traceback,
+  exit code 128 + the signal (130, 143), as a shell reports. (`--signals-to-handle=...,SIGUSR1`
+  adds SIGUSR1, as sweep.py does.)
 - the processes stop by themselves (a signal sent to them alone): train.py's `stopped at
   step N ...` line, exit code 75, as train.py's own.
 
@@ -21,19 +23,24 @@ torchrun names in TORCHELASTIC_ERROR_FILE (engine.logs.hand_to_launcher, in the 
 torch's `@record`), so plain torchrun's summary shows the line too.
 """
 
+import json
 import os
 import signal
 import sys
+import tempfile
+from pathlib import Path
 
 from torch.distributed.elastic.multiprocessing import ProcessFailure, SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.run import parse_args, run
 
+from engine.lifecycle import STOPPED_EXIT_CODE
 from engine.logs import ERROR_FILE_VARIABLE
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="torchelastic_")  # where each process leaves its last word
     # Under a launcher of its own, hand the failing process's error file on to it as torchrun does.
     launch = record(run) if ERROR_FILE_VARIABLE in os.environ else run
     try:
@@ -47,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
         for stop_signal in (signal.SIGINT, signal.SIGTERM):
             signal.signal(stop_signal, signal.SIG_DFL)
         sigval = getattr(stop, "sigval", signal.SIGINT)  # KeyboardInterrupt: before torchrun took the signals
+        if isinstance(stop, SignalException) and not processes_left() and all_saved(Path(args.log_dir)):
+            return STOPPED_EXIT_CODE  # each said so (train.py's `stopped at step N ...`): the same command continues
         print(stopped_line(sigval, started=isinstance(stop, SignalException)), file=sys.stderr, flush=True)
         return 128 + sigval
     return 0
@@ -59,6 +68,15 @@ def stopped_line(sigval: signal.Signals, started: bool) -> str:
     if processes_left():  # torchrun gave up waiting (a signal while it waited): they stop on their own
         return f"{stopped}: torchrun passed it on to every process; some are still stopping on their own"
     return f"{stopped}: torchrun passed it on to every process, and all have ended (their last lines say how)"
+
+
+def all_saved(log_dir: Path) -> bool:
+    """Whether every process of torchrun's last attempt stopped with a checkpoint: each left
+    STOPPED_EXIT_CODE in its error file (engine.logs.hand_to_launcher)."""
+    attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda path: int(path.name.removeprefix("attempt_")))
+    processes = [path / "error.json" for path in attempts[-1].iterdir()] if attempts else []
+    codes = [json.loads(path.read_text())["message"].get("errorCode") if path.is_file() else None for path in processes]
+    return bool(codes) and all(code == STOPPED_EXIT_CODE for code in codes)
 
 
 def processes_left() -> bool:

@@ -1,39 +1,17 @@
 """Samplers and DataLoaders: how samples reach each rank, in which order.
 
-Training: every rank draws from one permutation per epoch (DistributedSampler with the
-run's seed and `set_epoch`), rank r taking every world_size-th index. So optimizer step s
-sees the same samples whatever the world size, as long as the effective batch
-(batch_size * world_size * accum_steps) is the same. Only whole optimizer steps are
-drawn; the tail of an epoch (fewer samples than one effective batch) is skipped.
+Training: one permutation per epoch (DistributedSampler, seeded, `set_epoch`), rank r taking
+every world_size-th index, so step s sees the same samples at any world size with the same
+effective batch. Whole optimizer steps only: an epoch's tail short of one is left out.
+Evaluation: fixed batches in dataset order, dealt whole to ranks: every sample once, no
+padding, the same batches on any number of processes. A batch may be any nesting of
+tensors in lists, tuples, dicts, namedtuples and dataclasses (`move_to_device`).
 
-Evaluation: fixed batches in dataset order, dealt whole to ranks: every sample exactly
-once, no padding, no dropped tail, and the same batches on any number of processes.
-
-Batches may be of any structure: tensors, and lists, tuples, dicts, namedtuples and
-dataclasses of them, nested to any depth (`move_to_device`).
-
-Streaming training data (StreamParts, StreamSteps): an IterableDataset read by every rank and DataLoader worker
-in parts, with as many optimizer steps on every rank, and a position a resumed run
-continues from.
-
-data.py's `build_datasets` may return an IterableDataset for training (docs/streaming.md).
-Its `__iter__` yields the whole stream, in the same order on every process. The run
-splits it into world_size x num_workers parts, one per reader: reader k of n takes every
-n-th sample from the k-th on, or, if the stream defines `split(k, n)`, that iterator
-(e.g. its shards k, k + n, ...: each reader opens only its own files). If it defines
-`set_epoch(epoch)`, that is called before each epoch (e.g. to shuffle its shards).
-
-Equal steps: before each optimizer step every rank reads the step's micro-batches, and
-the ranks agree (one small all-reduce) to go on only if every rank has them all. So the
-epoch ends for all at once when the shortest share runs out, never with one rank waiting
-at a collective the others do not reach; what the other ranks had left is not trained
-that epoch, and the first such epoch says how much (each worker's last partial batch is
-left out too: every micro-batch is whole).
-
-Position: a resumed run reads and skips the micro-batches its checkpoint had trained in
-the epoch (train.py's `batches_done`), so it continues with the very next one. The
-stream's random augmentations draw from a generator of their own, seeded per (seed,
-epoch, reader), never from the training's.
+A stream (an IterableDataset, docs/streaming.md) is read in world_size x num_workers parts:
+reader k of n takes every n-th sample from the k-th, or the stream's own `split(k, n)`.
+Before each step the ranks vote to go on only if all have the step's micro-batches, so the
+epoch ends for all at once, never with one rank waiting at a collective. A resumed run
+skips the micro-batches its checkpoint trained; each reader's RNG is its own.
 """
 
 import collections
@@ -53,13 +31,10 @@ from engine.seeding import borrowed_rng, derive_seed, sample_seeds
 
 
 class TrainSampler(DistributedSampler):
-    """DistributedSampler that draws exactly `num_batches` batches, can start mid-epoch,
-    and yields (sample seed, index): the seed is a function of (seed, epoch, index) only.
-
-    `order` is data.py's `train_order(num_samples, generator)`, if it has one: the epoch's
-    indices over all ranks (e.g. each repeated, for repeated augmentation) instead of a
-    random permutation. Rank r takes every world_size-th of them, as from the permutation,
-    and the n-th repeat of an index gets a seed of its own."""
+    """DistributedSampler drawing exactly `num_batches` batches, from `start_batch` on, as
+    (sample seed, index): the seed depends on (seed, epoch, index) only. `order`: data.py's
+    `train_order`, the epoch's indices over all ranks in place of the permutation (the n-th
+    repeat of an index seeded as index + n x size)."""
 
     def __init__(self, dataset, env: DistEnv, seed: int, batch_size: int, num_batches=0, order: Callable | None = None):
         super().__init__(dataset, env.world_size, env.rank, shuffle=True, seed=seed, drop_last=True)
@@ -79,7 +54,6 @@ class TrainSampler(DistributedSampler):
         return order
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """Call before every epoch: it picks the epoch's permutation (and resume point)."""
         super().set_epoch(epoch)
         self.start_batch = start_batch
 
@@ -102,8 +76,8 @@ class TrainSampler(DistributedSampler):
 
 
 class SeededSamples(Dataset):
-    """Makes sample `index` with torch's RNG seeded from the sampler's per-sample seed, so
-    random augmentations are a pure function of (seed, epoch, index), not of who loads it."""
+    """Makes each sample with torch's RNG seeded by the sampler: augmentations depend on
+    (seed, epoch, index), not on which rank or worker loads it."""
 
     def __init__(self, dataset: Dataset):
         self.dataset = dataset
@@ -115,10 +89,8 @@ class SeededSamples(Dataset):
         return self.__getitems__([key])[0]
 
     def __getitems__(self, keys):
-        """A batch of (sample seed, index) keys; the DataLoader calls this when it exists.
-        Seeds the CPU generator only (torch.manual_seed would also queue a seed for every
-        GPU: ~1 ms per call where CUDA is not initialised) and gives the caller its RNG
-        state back, saved and restored once per batch: ~1 us per sample in all."""
+        """A batch of (seed, index) keys. The CPU generator only (torch.manual_seed also
+        seeds every GPU, ~1 ms a call), given back once per batch."""
         with borrowed_rng(cpu_generator_only=True) as generator:
             samples = []
             for seed, index in keys:
@@ -128,10 +100,8 @@ class SeededSamples(Dataset):
 
 
 class EvalBatches(Sampler):
-    """The validation set cut into fixed batches in dataset order (batch k holds samples
-    k * batch_size onwards), dealt whole to ranks: rank r evaluates batches r, r + N, ...
-    Every sample once, none padded, and a batch holds the same samples whatever the
-    number of processes N, so every sample's result has the same bits on any N."""
+    """Fixed batches in dataset order, rank r taking batches r, r + N, ...: every sample
+    once, unpadded, in the same batch on any number of processes N, so with the same bits."""
 
     def __init__(self, length: int, batch_size: int, env: DistEnv):
         self.length, self.batch_size = length, batch_size
@@ -176,8 +146,7 @@ def micro_batches_per_epoch(dataset_size: int, cfg: Config, env: DistEnv) -> int
 
 
 def steps_per_epoch(train_loader: DataLoader, cfg: Config) -> int | None:
-    """Optimizer steps per epoch (the train loader draws whole steps only); None for a
-    stream, whose length is known only at its end."""
+    """Optimizer steps per epoch; None for a stream, whose length shows only at its end."""
     if isinstance(train_loader, StreamLoader):
         return None
     return train_loader.sampler.num_batches // cfg.train.accum_steps
@@ -186,10 +155,8 @@ def steps_per_epoch(train_loader: DataLoader, cfg: Config) -> int | None:
 def build_train_loader(
     dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device, vote_group=None, **hooks
 ) -> DataLoader:
-    """`hooks`: `collate_fn` makes a batch from a list of samples (None: torch's
-    default_collate); `worker_init_fn` runs first in each worker process; `train_order`:
-    TrainSampler's. A stream
-    (IterableDataset) is read in parts, its ranks voting on `vote_group`: engine/loader.py."""
+    """`hooks`: collate_fn, worker_init_fn and train_order (data.py's); a stream's ranks vote
+    on `vote_group`."""
     if isinstance(dataset, IterableDataset):
         if not cfg.train.max_steps:
             raise UsageError(
@@ -220,16 +187,12 @@ def build_val_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torch.
 
 
 class RankDataLoader(DataLoader):
-    """A DataLoader over this rank's share. An error it raises (an unreadable file) is
-    this rank's alone, so this rank reports it, not rank 0, which never saw it.
-
-    Use it as a context manager: leaving it ends its worker processes, which persistent
-    workers otherwise outlive the process group. Forked after the group started, they
-    hold copies of its sockets, and a group torn down beside them aborted the process
-    at exit (gloo's "state_ <= CONNECTED", in 4 of 10 evaluations on 3 processes)."""
+    """A DataLoader over this rank's share, whose errors this rank reports (rank 0 never saw
+    them). As a context manager it ends its workers before the process group: forked after
+    it, they hold its sockets, and a group torn down beside them aborted at exit (gloo's
+    "state_ <= CONNECTED", 4 of 10 evaluations on 3 processes)."""
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        """Call before every epoch: it picks the epoch's order and where to start in it."""
         self.sampler.set_epoch(epoch, start_batch)
 
     def __iter__(self):
@@ -275,8 +238,7 @@ class StreamLoader(RankDataLoader):
 
 
 def make_loader(dataset, cfg: Config, device: torch.device, hooks: dict, **sampling) -> DataLoader:
-    """`hooks`: collate_fn and worker_init_fn (None: torch's defaults); `sampling`: sampler
-    and batch_size, or a batch_sampler (a stream: batch_size and drop_last)."""
+    """`sampling`: sampler and batch_size, a batch_sampler, or (a stream) batch_size and drop_last."""
     workers, stream = cfg.train.num_workers, isinstance(dataset, StreamParts)
     return (StreamLoader if stream else RankDataLoader)(
         dataset,
@@ -296,8 +258,7 @@ def make_loader(dataset, cfg: Config, device: torch.device, hooks: dict, **sampl
 
 
 def map_leaves(obj, fn: Callable, is_leaf: Callable):
-    """`obj` rebuilt with `fn(leaf)` in place of every value where `is_leaf(value)`; other
-    values (numbers, strings, None) stay as they are."""
+    """`obj` rebuilt with `fn(leaf)` for every value where `is_leaf(value)`; others kept."""
     if is_leaf(obj):
         return fn(obj)
     if isinstance(obj, Mapping):
@@ -314,8 +275,7 @@ def map_leaves(obj, fn: Callable, is_leaf: Callable):
 
 
 def move_to_device(batch, device: torch.device, memory_format=torch.preserve_format):
-    """The batch with every tensor on `device`, and any other object with a `.to()`
-    (e.g. a tokenizer's output) moved by it. `memory_format` applies to 4-D tensors."""
+    """The batch with every tensor, and anything with a `.to()`, on `device` (`memory_format`: 4-D tensors)."""
 
     def move(leaf):
         if isinstance(leaf, torch.Tensor):
@@ -350,8 +310,7 @@ class StreamParts(IterableDataset):
         samples = iter(split(part, parts)) if callable(split) else itertools.islice(self.stream, part, None, parts)
         rng = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, part)).get_state()
         while True:
-            # The reader's own RNG around each sample: with num_workers=0 the stream runs
-            # in the training process, whose RNG (dropout) must not depend on it.
+            # The reader's own RNG: with num_workers=0 the training's (dropout) is around it.
             with borrowed_rng(cpu_generator_only=True) as generator:
                 generator.set_state(rng)
                 sample = next(samples, StopIteration)
@@ -362,11 +321,8 @@ class StreamParts(IterableDataset):
 
 
 class StreamSteps:
-    """A stream's micro-batches in whole optimizer steps, as many on every rank.
-
-    `vote_group`: the CPU (gloo) group the run's votes travel on (never a wait for the
-    GPU), whose timeout the run shortens to dist.step_timeout_minutes after its first
-    step: a rank whose stream stops yielding fails the others' vote in that time."""
+    """A stream's micro-batches in whole optimizer steps, as many on every rank. The votes
+    go on `vote_group` (gloo), bounded by dist.step_timeout_minutes after the first step."""
 
     def __init__(self, accum_steps: int, vote_group):
         self.accum_steps, self.told = accum_steps, False
@@ -391,8 +347,7 @@ class StreamSteps:
         return have if self.group is None else bool(vote([float(have)], "min", self.group)[0])
 
     def end_epoch(self, epoch: int, steps: int, left: int) -> None:
-        """Say how long the epoch was and, once, what the ranks had beyond the shortest
-        share. Every rank must call this."""
+        """Say how long the epoch was and, once, what ranks had beyond the shortest share."""
         left_over = all_gather_objects(left)
         if steps == 0:
             raise UsageError(

@@ -1,7 +1,6 @@
-"""One training step, for any task: the state a checkpoint holds, forward and backward of
-one micro-batch in the run's precision (the task's `training_step` gives the loss), the
-optimizer step and its divergence guard, the host settings the steps run with, and the
-figures of the steps since the last evaluation."""
+"""One training step: the state a checkpoint holds, forward and backward of a micro-batch
+in the run's precision, the optimizer step and its divergence guard, the host settings the
+steps run with, and the figures of the steps since the last evaluation."""
 
 import contextlib
 import ctypes
@@ -33,45 +32,27 @@ from engine.errors import ConfigError, DivergedError, TaskError, UsageError
 from engine.parts import Part
 {% if cookiecutter.throughput %}from engine.throughput import Throughput
 {% endif %}
-# The host process's settings for the training steps: glibc's allocator thresholds, and
-# Python's garbage collector kept out of the steps.
-
-# glibc's mallopt() parameters, and the values the training steps run with (set_host_allocator):
-# blocks up to 256 MiB come from the heap, and up to 512 MiB of free memory stays at its top.
+# glibc's mallopt() settings for the steps: blocks up to 256 MiB come from the heap, and up
+# to 512 MiB of free memory stays at its top (set_host_allocator). The launch's own win.
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
 STEPS_REUSE_FREED = {M_MMAP_THRESHOLD: 256 * 2**20, M_TRIM_THRESHOLD: 512 * 2**20}
-# The same settings made at launch, which win: variables, and names in GLIBC_TUNABLES.
 SETTINGS = ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")
 LAUNCH_VARIABLES = [f"MALLOC_{name.upper()}_" for name in SETTINGS]
 TUNABLES = [f"glibc.malloc.{name}" for name in SETTINGS]
+{%- if cookiecutter.memory_report %}
 
 
 class MallInfo2(ctypes.Structure):
     """glibc's struct mallinfo2 (glibc 2.33 and later), all fields size_t."""
 
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in (
-            "arena",
-            "ordblks",
-            "smblks",
-            "hblks",
-            "hblkhd",
-            "usmblks",
-            "fsmblks",
-            "uordblks",
-            "fordblks",
-            "keepcost",
-        )
-    ]
+    names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+    _fields_ = [(name, ctypes.c_size_t) for name in names.split()]
 
 
 def c_heap_mib() -> dict:
-    """The C heap in MiB, from glibc's mallinfo2: what is handed out (`heap_used_mib`,
-    tensor storage among it) and what is free but kept (`heap_kept_mib`, the cache
-    `set_host_allocator` asks for). RSS is roughly both plus Python's own small
-    objects and the libraries; it cannot tell a cache from a leak, these can. Empty where
-    there is no glibc 2.33."""
+    """The C heap in MiB (glibc 2.33's mallinfo2, else {}): handed out (`heap_used_mib`) and
+    free but kept (`heap_kept_mib`, set_host_allocator's cache). RSS cannot tell a cache
+    from a leak; these can."""
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return {}
     libc = ctypes.CDLL(None)
@@ -83,16 +64,13 @@ def c_heap_mib() -> dict:
         "heap_used_mib": round((info.uordblks + info.hblkhd) / 2**20, 1),
         "heap_kept_mib": round(info.fordblks / 2**20, 1),
     }
+{%- endif %}
 
 
 def freeze_setup_objects() -> None:
-    """Keep Python's full garbage collections out of the training steps.
-
-    A full collection walks every object (~0.1 s once torch is imported) and starts at a
-    different step on each rank, where the other ranks then wait for it. What setup made
-    lives for the whole run: collect once, then freeze it, so later collections only walk
-    what the loop makes. `gc.unfreeze()` undoes it.
-    """
+    """Keep full garbage collections out of the steps: each walks every object (~0.1 s with
+    torch) at a different step on each rank, which the others then wait for. What setup
+    made lives all run: frozen, later collections walk only the loop's objects."""
     gc.collect()
     gc.freeze()
 
@@ -100,20 +78,11 @@ def freeze_setup_objects() -> None:
 def set_host_allocator({{ 'parts=()' if cookiecutter.fsdp }}) -> bool:
     """Fix glibc's allocator thresholds for the training steps: {% if cookiecutter.fsdp %}a part's own settings
     (`Part.host_allocator`, e.g. FSDP's), else {% endif %}STEPS_REUSE_FREED. Returns whether they
-    were set: not where the launch set them, nor with another C library.
+    were set: not where the launch set them (MALLOC_*_, GLIBC_TUNABLES), nor with another C library.
 
-    With glibc's defaults, a block above an adaptive threshold (at most 32 MiB) gets its
-    own mmap and goes back to the kernel when freed, and the threshold rises to the size
-    of each such block freed. Fixing it stops it moving. A step frees and allocates the
-    same activations every time: with the defaults each CPU step page-faulted them in
-    anew, about 31,000 faults per ResNet-18 step (batch 32), 5% of its time. On a GPU the
-    step's tensors are in CUDA's caching allocator, which keeps what it frees; the host
-    heap still holds the batches that `num_workers=0` collates in this process, and
-    workers started later inherit the setting.
-
-    Call it before setup, as soon as the parts are known: what setup frees is then kept
-    too (up to 512 MiB at the heap's top), for the steps to reuse. The same settings
-    made at launch (MALLOC_TRIM_THRESHOLD_ etc., or in GLIBC_TUNABLES) win.
+    glibc's adaptive thresholds hand large freed blocks back to the kernel: each CPU step
+    page-faulted its activations in anew (31,000 faults per ResNet-18 step, 5% of its
+    time). Called before setup, what setup frees is kept for the steps too.
     """
     tunables = os.environ.get("GLIBC_TUNABLES", "")
     if any(name in os.environ for name in LAUNCH_VARIABLES) or any(name in tunables for name in TUNABLES):
@@ -129,11 +98,8 @@ def set_host_allocator({{ 'parts=()' if cookiecutter.fsdp }}) -> bool:
     return all([libc.mallopt(parameter, value) for parameter, value in settings.items()])
 
 
-# Mixed precision: which dtype the forward passes run in, and the fp16 loss scaler.
-#
-# train.precision is fp32, bf16 or fp16. bf16 and fp16 run the forward passes under
-# autocast; fp16 also scales the loss (GradScaler), since its gradients underflow.
-
+# train.precision: bf16 and fp16 run the forward passes under autocast; fp16 also scales
+# the loss (GradScaler), since its gradients underflow.
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 
 
@@ -150,8 +116,7 @@ def autocast(precision: str, device: torch.device):
 
 
 def build_grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
-    # fp16 gradients underflow without loss scaling; bf16 and fp32 do not need it. A
-    # disabled scaler passes everything through unchanged, so the loop has one shape.
+    # A disabled scaler (bf16, fp32) passes everything through: the loop has one shape.
     return torch.amp.GradScaler(device.type, enabled=precision == "fp16")
 
 
@@ -160,23 +125,14 @@ FOLD_EVERY = 100  # norms kept before they are reduced: a few ops per 100 steps,
 
 
 class NonFiniteGuard:
-    """A run whose gradients become NaN or infinite has diverged: it must stop, with its last
-    good checkpoint intact, instead of training on and saving non-finite weights as progress.
+    """Stops a run whose gradients became NaN or infinite, with its last good checkpoint
+    intact, instead of saving non-finite weights as progress.
 
-    Every optimizer step keeps its gradient norm, a tensor on the device: nothing waits for
-    it and the guard adds no op to the step{% if cookiecutter.fsdp %} (under FSDP the norm's shards are still summed
-    at every step, on every rank alike){% endif %}. Every FOLD_EVERY steps, and at each check, the
-    kept norms are reduced on the device to the first non-finite step. Every
-    train.log_every_steps steps, `check_later` starts copying that to the host and reads the
-    copy it started the time before: no wait for the device (on a GPU, draining its queue
-    would idle it). Before every checkpoint, `check` reads it at once (a host sync), so
-    nothing non-finite is saved.
-    The gradients are all-reduced before the norm is taken, so every rank sees the same
-    norm and decides alike.
-
-    With fp16 the GradScaler skips steps with non-finite gradients itself and lowers its
-    scale: that is normal. Such a run has diverged only when the scale has collapsed, i.e.
-    no scale makes the gradients finite.
+    Each step's gradient norm (the same on every rank: gradients are all-reduced first)
+    stays on the device; every FOLD_EVERY steps they are reduced there to the first bad
+    step. `check_later` reads that one interval late, so nothing waits for the device;
+    `check`, before every checkpoint, reads it at once. With fp16 the GradScaler skips bad
+    steps itself: such a run diverged only when its scale collapsed.
     """
 
     def __init__(self, train: TrainConfig, last_good: Callable[[], str], lr: float, device: torch.device):
@@ -253,10 +209,8 @@ class NonFiniteGuard:
 
 
 class LaggedValue:
-    """A number on the device, read one call later. `swap(tensor)` starts copying `tensor`
-    to the host without waiting, and returns the number the previous call started copying
-    (None the first time). By then that copy has long finished, so reading it waits for
-    nothing; on the CPU the copy is done at once."""
+    """A number on the device, read one call later: `swap(tensor)` starts copying it to the
+    host and returns what the previous call copied (None the first time), long finished."""
 
     def __init__(self):
         self.pending = None  # (host tensor, CUDA event or None)
@@ -311,9 +265,8 @@ class TrainState:
             self.register(part.name, part)
 
     def register(self, name: str, obj) -> None:
-        """Checkpoint `obj` under `name`: anything with state_dict() and load_state_dict(),
-        e.g. a counter, a curriculum or a second optimizer, saved whole (from rank 0) in
-        every checkpoint and loaded on resume. A Part's hooks are called too."""
+        """Checkpoint `obj` (with state_dict() and load_state_dict(): a counter, a second
+        optimizer) under `name`, saved from rank 0 and loaded on resume; a Part gets its hooks."""
         if name in self.states or name in CORE_KEYS or not name:
             raise UsageError(f"a checkpointed state is already named {name!r}; register it under another name")
         if not (callable(getattr(obj, "state_dict", None)) and callable(getattr(obj, "load_state_dict", None))):
@@ -360,8 +313,7 @@ class TrainState:
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Optimizer (when `state` holds it whole), schedule, position and the registered
-        states; the model weights are loaded separately."""
+        """All but the model's weights, which are loaded apart."""
         if "optimizer" in state:
             set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=FULL)
         self.scheduler.load_state_dict(state["scheduler"])
@@ -392,15 +344,9 @@ class TrainState:
         return next((reason for part in self.parts if (reason := part.stop_reason(self))), None)
 {%- endif %}
 
-    def start_micro_batch(self) -> None:
-        self.batches_done += 1
-
     def completes_step(self) -> bool:
         """Whether the micro-batch in progress is the last one of an optimizer step."""
         return self.batches_done % self.accum_steps == 0
-
-    def step_done(self) -> None:
-        self.step += 1
 
     def finish_epoch(self) -> None:
         self.epoch, self.batches_done = self.epoch + 1, 0
@@ -420,19 +366,14 @@ def beyond_a_plain_loop(train: TrainConfig, state: TrainState, epoch_samples: in
 
 
 def forward_backward(state: TrainState, batch, training_step, precision: str) -> dict[str, torch.Tensor]:
-    """Forward and backward of one micro-batch; returns its losses, detached: "loss" (what
-    backward ran on) and, when `training_step` returns named losses, each of them.
-
-    Gradients of `accum_steps` micro-batches are summed locally (DDP's no_sync skips the
-    all-reduce) and averaged across ranks on the last one, so one optimizer step sees the
-    mean loss over batch_size x world size x accum_steps samples.
-    """
+    """Forward and backward of one micro-batch; its losses, detached ("loss" and any named).
+    Gradients of `accum_steps` micro-batches are summed locally and all-reduced on the last:
+    a step sees the mean over batch_size x world size x accum_steps samples."""
     accum = state.accum_steps
-    state.start_micro_batch()
+    state.batches_done += 1
     with gradient_sync(state.train_model, enabled=state.completes_step()):
         with autocast(precision, state.device):
             losses = named_losses(call_training_step(training_step, state.train_model, batch))
-        # Mean over the accumulated micro-batches (no extra op when there is one).
         state.scaler.scale(losses["loss"] / accum if accum > 1 else losses["loss"]).backward()
     return {name: loss.detach() for name, loss in losses.items()}
 
@@ -478,7 +419,6 @@ def named_losses(output) -> dict[str, torch.Tensor]:
 
 
 def check_loss(what: str, loss) -> None:
-    """A loss is a tensor holding one number: backward needs one, and the logs show one."""
     if not isinstance(loss, torch.Tensor):
         raise TaskError(
             f"{what} is a {type(loss).__name__}, not a tensor; return tensors computed from the model's output "
@@ -492,8 +432,7 @@ def check_loss(what: str, loss) -> None:
 
 
 def gradient_sync(model: nn.Module, enabled: bool):
-    """Gradients are averaged across ranks in backward; skip that on micro-batches that
-    only accumulate (DDP's no_sync{{ ", FSDP's requires_gradient_sync" if cookiecutter.fsdp }})."""
+    """Skip the all-reduce on micro-batches that only accumulate."""
     if enabled:
         return contextlib.nullcontext()
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
@@ -518,8 +457,7 @@ def no_gradient_sync(model: nn.Module):
 
 
 def optimizer_step(state: TrainState, train: TrainConfig) -> None:
-    """Clip, update, advance the schedule. The update of a step with non-finite gradients
-    is skipped if train.max_bad_steps allows, else recorded for `state.guard.check`."""
+    """Clip, update (unless the guard skips a non-finite step), advance the schedule."""
     skip = False
     if train.grad_clip > 0:
         state.scaler.unscale_(state.optimizer)  # clip true gradients, not scaled ones
@@ -533,7 +471,7 @@ def optimizer_step(state: TrainState, train: TrainConfig) -> None:
     state.scaler.update()
     state.optimizer.zero_grad(set_to_none=True)
     state.scheduler.step()
-    state.step_done()
+    state.step += 1
     for part in state.parts:
         part.after_step(state)
 {%- if cookiecutter.ema %}
@@ -552,8 +490,7 @@ def full_on_main(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 class EpochStats:
-    """The losses since the last evaluation (an epoch's, unless train.eval_every_steps),
-    summed on the device (no host sync per step), and their clock."""
+    """The losses since the last evaluation, summed on the device (no host sync), and their clock."""
 
     def __init__(self, device: torch.device{{ ', throughput: Throughput | None = None' if cookiecutter.throughput }}):
         self.device = device
@@ -586,8 +523,7 @@ class EpochStats:
         self.step_ends.append(time.perf_counter())
 
     def summary(self, batch_size: int) -> dict:
-        """train_<name>: the mean of each loss over every rank's samples (every micro-batch
-        has batch_size samples), and the speed. Every rank must call this."""
+        """train_<name>: each loss's mean over every rank's samples, and the speed. Every rank calls this."""
         elapsed = time.perf_counter() - self.start
         names = list(self.loss_sums)
         sums = [self.loss_sums[name].double() for name in names]

@@ -1,6 +1,6 @@
 """python -m engine.launch: torchrun, ending with the run's own line and exit code.
 
-Two real launches (bad input, Ctrl-C); how the launcher picks the failure to show is
+Two real launches (bad input, Ctrl-C); whether a stop saved and how the launcher picks the failure to show is
 tested on error files written here, as torchrun's processes write them.
 """
 
@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing import ProcessFailure
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from conftest import FAST, children, clean_env, finish, last_wins, machinery_project, wait_for_line
-from engine.launch import exit_code, failure_line, likely_cause
+from engine.launch import all_saved, exit_code, failure_line, likely_cause
 from engine.lifecycle import pid_alive
 from engine.logs import write_last_word
 
@@ -43,7 +43,7 @@ def test_bad_input_on_two_processes_ends_with_the_projects_line_and_exit_code_2(
 
 
 @pytest.mark.slow  # a real launch: the slow tier (pytest -m slow)
-def test_ctrl_c_stops_every_process_with_a_checkpoint_then_one_line_and_exit_code_130(tmp_path):
+def test_ctrl_c_stops_every_process_with_a_checkpoint_then_the_projects_line_and_exit_code_75(tmp_path):
     args = [*FAST, "data.train_size=8192", "train.log_every_steps=1", "train.stop_at_step=300"]
     process, seen = start_launcher([*args, f"output_dir={tmp_path / 'run'}"]), []
     wait_for_line(process, "step 3 ", seen)
@@ -51,13 +51,28 @@ def test_ctrl_c_stops_every_process_with_a_checkpoint_then_one_line_and_exit_cod
     assert len(ranks) == 2, seen
     process.send_signal(signal.SIGINT)  # what Ctrl-C sends: torchrun's ranks have process groups of their own
     output = finish(process, seen)
-    assert process.returncode == 130, output
-    assert "Traceback" not in output, output
-    assert "stopped at step" in output  # rank 0's checkpoint, as without a launcher
-    assert output.splitlines()[-1] == (
-        "stopped by SIGINT: torchrun passed it on to every process, and all have ended (their last lines say how)"
-    )
+    assert process.returncode == 75, output  # stopped: the same command continues, as sweep.py reads it
+    assert "Traceback" not in output and "SignalException" not in output, output
+    last = output.splitlines()[-1]  # rank 0's, as without a launcher
+    assert last.startswith("stopped at step ") and last.endswith("run the same command to continue"), output
     assert not [pid for pid in ranks if pid_alive(pid)]
+
+
+def test_a_stop_counts_as_saved_only_when_every_process_of_the_last_attempt_said_so(tmp_path):
+    def attempt(number: int, codes: list) -> None:
+        for rank, code in enumerate(codes):
+            (tmp_path / "run" / f"attempt_{number}" / str(rank)).mkdir(parents=True)
+            if code is not None:
+                write_last_word(str(tmp_path / "run" / f"attempt_{number}" / str(rank) / "error.json"), "w", code)
+
+    assert not all_saved(tmp_path)  # no process started
+    attempt(0, [75, 1])
+    assert not all_saved(tmp_path)
+    attempt(10, [75, 75])  # the last attempt, though it sorts before attempt_2 as text
+    attempt(2, [75, None])
+    assert all_saved(tmp_path)
+    attempt(11, [75, None])  # one process left no line: it did not save
+    assert not all_saved(tmp_path)
 
 
 # -- which failure the launcher shows -----------------------------------------------------------

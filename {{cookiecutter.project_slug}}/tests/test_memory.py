@@ -111,6 +111,7 @@ def test_garbage_collections_after_setup_skip_setup_objects():
         gc.unfreeze()
     assert all(id(p) in {id(obj) for obj in gc.get_objects()} for p in model.parameters())
     del made_in_the_loop
+{%- if cookiecutter.memory_report %}
 
 
 HEAP_FIGURES = """
@@ -136,6 +137,7 @@ def test_the_c_heap_figures_tell_a_leak_from_a_cache(tmp_path):
     assert holding["heap_used_mib"] - before["heap_used_mib"] > 250
     assert abs(after["heap_used_mib"] - before["heap_used_mib"]) < 10
     assert after["heap_kept_mib"] - before["heap_kept_mib"] > 200  # what set_host_allocator asks for
+{%- endif %}
 
 
 def saved_activation_bytes(model, x):

@@ -296,6 +296,8 @@ class Run:
 {%- endif %}
         freeze_setup_objects()  # no full garbage collection pauses inside the steps
         self.stats.reset()  # the clock starts with the steps
+        if state.batches_done:  # resumed mid-epoch: its figures are this run's part only
+            self.log.log(f"epoch {state.epoch}'s train_* figures will cover its steps from {state.step + 1} on")
         outcome = Outcome.DONE if self.done() else Outcome.GO_ON
         while outcome is Outcome.GO_ON:
             if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)

@@ -76,7 +76,9 @@ def whole_and_resumed(project, tmp_path, args) -> list[dict]:
         out = tmp_path / name
         run_script("train.py", [*args, f"output_dir={out}", *stop], nproc=2, cwd=project)
         runs.append(out)
-    assert "resumed from" in run_script("train.py", [*args, f"output_dir={runs[1]}"], nproc=2, cwd=project).stdout
+    resumed = run_script("train.py", [*args, f"output_dir={runs[1]}"], nproc=2, cwd=project).stdout
+    assert "resumed from" in resumed
+    assert f"epoch 1's train_* figures will cover its steps from {STEPS_PER_EPOCH + 4} on" in resumed  # says so
     a, b = (load_checkpoint(out / "checkpoints" / "last.pt") for out in runs)
     assert a["step"] == b["step"] == 2 * STEPS_PER_EPOCH  # equal steps on every rank, every epoch
     for part in ("model", "optimizer"):

@@ -18,6 +18,7 @@ PARTS = {
     "memory_report": "{{ cookiecutter.memory_report }}" == "True",
     "throughput": "{{ cookiecutter.throughput }}" == "True",
     "run_record": "{{ cookiecutter.run_record }}" == "True",
+    "host_tuning": "{{ cookiecutter.host_tuning }}" == "True",
     "pretrained": "{{ cookiecutter.pretrained }}" == "True",
     "launcher": "{{ cookiecutter.launcher }}" == "True",
     "fsdp": "{{ cookiecutter.fsdp }}" == "True",
@@ -31,6 +32,7 @@ PART_FILES = {
     "memory_report": ["engine/parts/memory.py", "tests/test_memory_report.py", "docs/memory.md"],
     "throughput": ["engine/throughput.py", "tests/test_throughput.py"],
     "run_record": ["engine/run_record.py", "tests/test_run_record.py"],
+    "host_tuning": ["engine/host.py", "tests/test_host.py"],
     "pretrained": ["engine/pretrained.py", "tests/test_pretrained.py", "docs/pretrained.md"],
     "launcher": ["engine/launch.py", "tests/test_launcher.py"],  # a tool, not a Part
     "fsdp": [

@@ -22,6 +22,7 @@ PART_ANSWERS = (
     "memory_report",
     "throughput",
     "run_record",
+    "host_tuning",
     "pretrained",
     "launcher",
     "fsdp",

@@ -209,6 +209,7 @@ PART_WORDS = {
     "memory_report": [r"memory report", r"memory table", r"nvidia-ml-py", r"NVML"],
     "throughput": [r"\bMFU\b", r"peak_tflops", r"count_items"],
     "run_record": [r"provenance", r"train\.log\b", r"git commit", r"flight.recorder"],
+    "host_tuning": [r"mallopt", r"set_host_allocator", r"gc\.freeze", r"freeze_setup_objects"],
     "pretrained": [r"\bpretrained\b", r"\bPretrained\b"],
     "launcher": [r"engine\.launch"],
     "fsdp": [r"\bfsdp\b", r"\bFSDP\b", r"sharded"],
@@ -246,7 +247,7 @@ def test_a_part_answered_no_leaves_no_file_config_key_or_line_of_text(tmp_path):
     gone = full_files - bare_files
     assert bare_files <= full_files and gone, gone
     parts_files = ("engine/parts/", "tests/test_", "tests/sharded_", "docs/")
-    part_modules = ("launch", "sharded", "throughput", "run_record", "pretrained")
+    part_modules = ("launch", "sharded", "throughput", "run_record", "host", "pretrained")
     parts_files += tuple(f"engine/{name}.py" for name in part_modules)
     assert all(name.startswith(parts_files) for name in gone), gone
     assert sorted(p.name for p in (bare / "engine" / "parts").iterdir()) == ["__init__.py"]

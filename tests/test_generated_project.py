@@ -34,6 +34,7 @@ SUITE_PARTS = {
         "test_launcher.py",
         "test_divergence.py",
         "test_recipe.py",
+        "test_ports.py",
         "test_metrics.py",
         "test_no_data_lost.py",
         "test_distributed.py",
@@ -56,6 +57,7 @@ SUITE_PARTS = {
         "test_freezing.py",
         "test_early_stopping.py",
         "test_run_record.py",
+        "test_host.py",
         "test_sweep.py",
         "test_throughput.py",
         "test_profiling.py",
@@ -82,6 +84,7 @@ PART_CODE = {
     "tests/reference_task/model.py",  # the example's count_items (throughput) and model.pretrained
     *(f"tests/test_{name}.py" for name in ("checkpoint", "common_changes", "config", "divergence", "task_interface")),
     *(f"tests/test_{name}.py" for name in ("distributed", "faults")),  # the flight recorder (run_record)
+    "tests/test_memory.py",  # the C heap figures (memory_report)
 }
 
 

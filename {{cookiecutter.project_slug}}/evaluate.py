@@ -26,14 +26,14 @@ from engine.distributed import (
     prepare_on_node_leaders,
     stop_all_if_any_fails,
 )
-from engine.lifecycle import leave_stop_signals_to_the_rank
+{% if cookiecutter.host_tuning %}from engine.host import set_host_allocator
+{% endif %}from engine.lifecycle import leave_stop_signals_to_the_rank
 from engine.loader import build_val_loader
 from engine.logs import report_errors
 from engine.metrics import evaluate
 {% if cookiecutter.fsdp %}from engine.parallel import build_for_evaluation
 from engine.parts import build_parts
-{% endif %}from engine.training import set_host_allocator
-from model import {{ 'BLOCKS, ' if cookiecutter.fsdp }}ModelConfig, build_metrics, build_model, validation_step
+{% endif %}from model import {{ 'BLOCKS, ' if cookiecutter.fsdp }}ModelConfig, build_metrics, build_model, validation_step
 from recipe import OptimConfig
 
 
@@ -60,9 +60,9 @@ def main(argv=None) -> None:
     env, device = init_distributed_mode(cfg.dist)
 {%- if cookiecutter.fsdp %}
     parts = build_parts(cfg, env)  # the optional features the config turns on, as in train.py
-    set_host_allocator(parts)  # as train.py does, before the model is built
-{%- else %}
-    set_host_allocator()  # as train.py does, before the model is built
+{%- endif %}
+{%- if cookiecutter.host_tuning %}
+    set_host_allocator({{ 'parts' if cookiecutter.fsdp }})  # as train.py does, before the model is built
 {%- endif %}
     try:
         prepare_on_node_leaders(prepare_data, cfg, env, device)  # one writer per node at a time

@@ -14,8 +14,8 @@ Exit codes: 0 done (or at train.stop_at_step); 75 stopped by a signal, run it ag
 import argparse
 import enum
 import functools
-import gc
-import time
+{% if cookiecutter.host_tuning %}import gc
+{% endif %}import time
 from pathlib import Path
 
 import torch.nn as nn
@@ -36,7 +36,8 @@ from engine.distributed import (
     shorten_timeout_after_first_step,
     stop_all_if_any_fails,
 )
-from engine.lifecycle import RunLock, StopRequest, leave_stop_signals_to_the_rank
+{% if cookiecutter.host_tuning %}from engine.host import freeze_setup_objects, set_host_allocator
+{% endif %}from engine.lifecycle import RunLock, StopRequest, leave_stop_signals_to_the_rank
 from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
 from engine.logs import QuietLog, RunLog, hand_to_launcher, log, report_errors
 from engine.metrics import evaluate
@@ -53,9 +54,7 @@ from engine.parts import build_parts
     build_grad_scaler,
     check_precision,
     forward_backward,
-    freeze_setup_objects,
     optimizer_step,
-    set_host_allocator,
 )
 from model import BLOCKS, ModelConfig, build_metrics, build_model, training_step, validation_step
 from recipe import OptimConfig
@@ -79,6 +78,7 @@ def main(argv=None) -> int:
         return 0
     env, device = init_distributed_mode(cfg.dist{{ ', Path(cfg.output_dir) / "flight_recorder"' if cookiecutter.run_record }})
     parts = build_parts(cfg, env)  # the optional features the config turns on (engine/parts)
+{%- if cookiecutter.host_tuning %}
 {%- if cookiecutter.fsdp %}
     # What each step frees: kept for the next, or given back where a part says so (FSDP). Set
     # before the model is built, so that what setup frees is handled the same way.
@@ -87,6 +87,7 @@ def main(argv=None) -> int:
     # setup frees is handled the same way.
 {%- endif %}
     set_host_allocator({{ 'parts' if cookiecutter.fsdp }})
+{%- endif %}
     lock, loaders = None, ()
     try:
         with stop_all_if_any_fails(device):
@@ -118,7 +119,9 @@ def main(argv=None) -> int:
         with start_run_log(cfg, env, state, loaders{{ ', provenance' if cookiecutter.run_record }}) as run_log:
             Run(cfg, env, state, loaders, checkpointer, stop, run_log).train(rng_restored)
     finally:
+{%- if cookiecutter.host_tuning %}
         gc.unfreeze()
+{%- endif %}
         if lock is not None:
             lock.release()
         try:
@@ -294,7 +297,9 @@ class Run:
         for part in state.parts:
             part.start(state)
 {%- endif %}
+{%- if cookiecutter.host_tuning %}
         freeze_setup_objects()  # no full garbage collection pauses inside the steps
+{%- endif %}
         self.stats.reset()  # the clock starts with the steps
         if state.batches_done:  # resumed mid-epoch: its figures are this run's part only
             self.log.log(f"epoch {state.epoch}'s train_* figures will cover its steps from {state.step + 1} on")

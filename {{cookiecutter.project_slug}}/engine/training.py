@@ -1,15 +1,13 @@
 """One training step: the state a checkpoint holds, forward and backward of a micro-batch
-in the run's precision, the optimizer step and its divergence guard, the host settings the
-steps run with, and the figures of the steps since the last evaluation."""
+in the run's precision, the optimizer step and its divergence guard, and the figures of the
+steps since the last evaluation."""
 
 import contextlib
-import ctypes
-import gc
-import itertools
+{% if cookiecutter.memory_report %}import ctypes
+{% endif %}import itertools
 import math
-import os
-import platform
-import re
+{% if cookiecutter.memory_report %}import platform
+{% endif %}import re
 import statistics
 import time
 from collections.abc import Callable
@@ -32,72 +30,6 @@ from engine.errors import ConfigError, DivergedError, TaskError, UsageError
 from engine.parts import Part
 {% if cookiecutter.throughput %}from engine.throughput import Throughput
 {% endif %}
-# glibc's mallopt() settings for the steps: blocks up to 256 MiB come from the heap, and up
-# to 512 MiB of free memory stays at its top (set_host_allocator). The launch's own win.
-M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
-STEPS_REUSE_FREED = {M_MMAP_THRESHOLD: 256 * 2**20, M_TRIM_THRESHOLD: 512 * 2**20}
-SETTINGS = ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")
-LAUNCH_VARIABLES = [f"MALLOC_{name.upper()}_" for name in SETTINGS]
-TUNABLES = [f"glibc.malloc.{name}" for name in SETTINGS]
-{%- if cookiecutter.memory_report %}
-
-
-class MallInfo2(ctypes.Structure):
-    """glibc's struct mallinfo2 (glibc 2.33 and later), all fields size_t."""
-
-    names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
-    _fields_ = [(name, ctypes.c_size_t) for name in names.split()]
-
-
-def c_heap_mib() -> dict:
-    """The C heap in MiB (glibc 2.33's mallinfo2, else {}): handed out (`heap_used_mib`) and
-    free but kept (`heap_kept_mib`, set_host_allocator's cache). RSS cannot tell a cache
-    from a leak; these can."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return {}
-    libc = ctypes.CDLL(None)
-    if not hasattr(libc, "mallinfo2"):
-        return {}
-    libc.mallinfo2.restype = MallInfo2
-    info = libc.mallinfo2()
-    return {
-        "heap_used_mib": round((info.uordblks + info.hblkhd) / 2**20, 1),
-        "heap_kept_mib": round(info.fordblks / 2**20, 1),
-    }
-{%- endif %}
-
-
-def freeze_setup_objects() -> None:
-    """Keep full garbage collections out of the steps: each walks every object (~0.1 s with
-    torch) at a different step on each rank, which the others then wait for. What setup
-    made lives all run: frozen, later collections walk only the loop's objects."""
-    gc.collect()
-    gc.freeze()
-
-
-def set_host_allocator({{ 'parts=()' if cookiecutter.fsdp }}) -> bool:
-    """Fix glibc's allocator thresholds for the training steps: {% if cookiecutter.fsdp %}a part's own settings
-    (`Part.host_allocator`, e.g. FSDP's), else {% endif %}STEPS_REUSE_FREED. Returns whether they
-    were set: not where the launch set them (MALLOC_*_, GLIBC_TUNABLES), nor with another C library.
-
-    glibc's adaptive thresholds hand large freed blocks back to the kernel: each CPU step
-    page-faulted its activations in anew (31,000 faults per ResNet-18 step, 5% of its
-    time). Called before setup, what setup frees is kept for the steps too.
-    """
-    tunables = os.environ.get("GLIBC_TUNABLES", "")
-    if any(name in os.environ for name in LAUNCH_VARIABLES) or any(name in tunables for name in TUNABLES):
-        return False
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return False
-    libc = ctypes.CDLL(None)  # the C library this process already runs on
-{%- if cookiecutter.fsdp %}
-    settings = next((part.host_allocator for part in parts if part.host_allocator), STEPS_REUSE_FREED)
-{%- else %}
-    settings = STEPS_REUSE_FREED
-{%- endif %}
-    return all([libc.mallopt(parameter, value) for parameter, value in settings.items()])
-
-
 # train.precision: bf16 and fp16 run the forward passes under autocast; fp16 also scales
 # the loss (GradScaler), since its gradients underflow.
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -545,3 +477,28 @@ class EpochStats:
             "step_time_median_s": statistics.median(step_times) if step_times else 0.0,
             "train_time_s": elapsed,
         }
+{%- if cookiecutter.memory_report %}
+
+
+class MallInfo2(ctypes.Structure):
+    """glibc's struct mallinfo2 (glibc 2.33 and later), all fields size_t."""
+
+    names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+    _fields_ = [(name, ctypes.c_size_t) for name in names.split()]
+
+
+def c_heap_mib() -> dict:
+    """The C heap in MiB (glibc 2.33's mallinfo2, else {}): handed out (`heap_used_mib`) and
+    free but kept (`heap_kept_mib`, a cache). RSS cannot tell a cache from a leak; these can."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return {}
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2"):
+        return {}
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return {
+        "heap_used_mib": round((info.uordblks + info.hblkhd) / 2**20, 1),
+        "heap_kept_mib": round(info.fordblks / 2**20, 1),
+    }
+{%- endif %}

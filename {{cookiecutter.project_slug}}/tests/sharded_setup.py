@@ -22,11 +22,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from data import DataConfig
 from engine.config import load_config
 from engine.distributed import cleanup_distributed, init_distributed_mode
-from engine.parallel import build_and_wrap
+{% if cookiecutter.host_tuning %}from engine.host import set_host_allocator
+{% endif %}from engine.parallel import build_and_wrap
 from engine.parts import build_parts
 from engine.seeding import seed_everything
 from engine.sharded import save_sharded, sharded_state_dict
-from engine.training import set_host_allocator
 from model import BLOCKS, MLPBlock, ModelConfig, build_model
 from recipe import OptimConfig, build_optimizer
 
@@ -78,7 +78,9 @@ def main(out: Path, overrides: list[str], deep_mlp: bool) -> None:
         torch.save(weights, out / "weights.pt")
     torch.save(dict(model.named_buffers()), out / f"buffers_{env.rank}.pt")
     del weights
+{%- if cookiecutter.host_tuning %}
     set_host_allocator(parts)  # as train.py does
+{%- endif %}
     peaks.end()  # the weights gathered for the test
     optimizer = build_optimizer(model, cfg, env.world_size{{ ', {}' if cookiecutter.freezing }})
     for _ in range(2):

@@ -25,7 +25,9 @@ class Part:
 {%- if cookiecutter.fsdp %}
     shards_model = False  # the model's tensors are split across processes (FSDP)
     saves_sharded = False  # checkpoints are folders of every rank's shards
-    host_allocator: dict[int, int] = {}  # glibc mallopt() settings the steps need instead of engine/training.py's
+{%- if cookiecutter.host_tuning %}
+    host_allocator: dict[int, int] = {}  # glibc mallopt() settings the steps need instead of engine/host.py's
+{%- endif %}
 
     def build_model(self, build, cfg, env, device, blocks) -> nn.Module | None:
         """The model from `build()`, placed and wrapped by the part (FSDP shards it), or

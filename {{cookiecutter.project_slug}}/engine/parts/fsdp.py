@@ -23,9 +23,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from engine import sharded
 from engine.distributed import DistEnv, is_main, stop_all_if_any_fails
 from engine.errors import TaskError
-from engine.parallel import prepare_modules
+{% if cookiecutter.host_tuning %}from engine.host import M_MMAP_THRESHOLD
+{% endif %}from engine.parallel import prepare_modules
 from engine.parts import Part
-from engine.training import AMP_DTYPES, M_MMAP_THRESHOLD
+from engine.training import AMP_DTYPES
 
 FOLDERS = sharded  # reads and writes checkpoint folders, for any run of this project (DDP resumes them too)
 FROM_RANK_0 = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
@@ -44,6 +45,7 @@ def build(cfg, env: DistEnv) -> "Fsdp | None":
 class Fsdp(Part):
     name = "fsdp"
     saves_sharded = True  # checkpoints are sharded folders, on one process too
+{%- if cookiecutter.host_tuning %}
     # Blocks above glibc's initial 128 KiB get their own mmap and go back when freed: each
     # block's parameters are gathered whole and its gradients made whole for every use,
     # then freed, in blocks of every size; kept in the heap, they fragment it and the
@@ -54,6 +56,7 @@ class Fsdp(Part):
     # rank: with a 12-block MLP of 49 MiB on 2 processes, rank 1 held 2.3-2.7x the weights
     # above its start when its first step began, 0.52x with this set first.
     host_allocator = {M_MMAP_THRESHOLD: 128 * 2**10}
+{%- endif %}
 
     def __init__(self, env: DistEnv):
         self.shards_model = env.world_size > 1  # on one process the model stays whole

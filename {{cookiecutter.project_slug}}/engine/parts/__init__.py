@@ -66,21 +66,10 @@ class Part:
     def hook(self, *args, **kwargs) -> None:
         """A hook this part leaves alone."""
 
-    {{ "start_epoch = " if not cookiecutter.freezing }}after_step = after_evaluation = state_dict = load_state_dict = hook
-{%- if cookiecutter.fsdp %}
-    build_model = hook
-{%- endif %}
-{%- if cookiecutter.freezing %}
-    before_load = hook
-{%- endif %}
+    {{ "build_model = " if cookiecutter.fsdp }}{{ "before_load = " if cookiecutter.freezing else "start_epoch = " }}{{ "start = " if cookiecutter.memory_report or cookiecutter.profiler }}{{ "stop_reason = " if cookiecutter.early_stopping }}after_step = after_evaluation = hook
+    state_dict = load_state_dict = hook
 {%- if cookiecutter.ema %}
     setup = weights = swapped_into_model = reset_weights = hook
-{%- endif %}
-{%- if cookiecutter.memory_report or cookiecutter.profiler %}
-    start = hook
-{%- endif %}
-{%- if cookiecutter.early_stopping %}
-    stop_reason = hook
 {%- endif %}
 {%- if cookiecutter.tracking %}
     open_log = log_scalars = log_epoch = close_log = hook

@@ -66,7 +66,7 @@ class RunLog(contextlib.AbstractContextManager):
         self.last_time, self.steps_since_report = now, 0
         if self.bar.disable:
             log(f"epoch {self.epoch} step {step} loss {loss:.4f} lr {lr:.4g} samples/s {samples_per_s:.0f}")
-        self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.3g}", samples_s=f"{samples_per_s:.0f}")
+        self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.3g}", samples_s=f"{samples_per_s:.0f}")  # no-op if disabled
 {%- if cookiecutter.tracking %}
         for part in self.parts:
             part.log_scalars(step, {"train/loss": loss, "train/lr": lr, "train/samples_per_s": samples_per_s})
@@ -76,7 +76,7 @@ class RunLog(contextlib.AbstractContextManager):
         """End the epoch's progress bar."""
         self.bar.close()
 
-    log = staticmethod(log)
+    log = staticmethod(log)  # the module-level log(message)
 
     def write_epoch(self, metrics: dict) -> None:
         append_json_line(self.metrics_path, metrics)

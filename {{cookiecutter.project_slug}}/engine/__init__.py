@@ -1,10 +1,7 @@
-"""The machinery: distributed setup, data loading, the training and evaluation loops'
-parts, checkpoints, logging and fault handling, for any task.
-
-You should not need to open this package to train your own task: the task lives in
-model.py (model, loss, metrics) and data.py (datasets, batches), the optimizer and its
-schedule in recipe.py, the run's settings in config.yaml, and the order of things in
-train.py. What those files use of the machinery comes from here:
+"""The machinery for any task: distributed setup, data loading, the loops' parts,
+checkpoints, logging and fault handling. A task needs not open it: it lives in model.py
+(model, loss, metrics), data.py (datasets, batches), recipe.py (optimizer, schedule),
+config.yaml (settings) and train.py (the order of things), which import from here, e.g.
 
     from engine import ConfigError, Mean, check_positive
 """

@@ -11,8 +11,7 @@ class ConfigError(UsageError):
 
 
 class TaskError(UsageError):
-    """model.py's steps or metrics used wrongly (a loss that is not one number, a metric
-    updated with the wrong number of rows)."""
+    """model.py's steps or metrics used wrongly (e.g. a loss that is not one number)."""
 
 
 class CheckpointError(UsageError):

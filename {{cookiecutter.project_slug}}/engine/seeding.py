@@ -1,11 +1,8 @@
-"""Where randomness comes from, so that runs repeat exactly.
-
-- Model initialisation: the same `seed` on every rank (DDP also broadcasts rank 0's).
-- Dropout and other in-model randomness: seeded per (seed, rank, epoch) at each epoch's
-  start, and each rank's state is stored in step checkpoints for mid-epoch resume.
-- Data augmentation: seeded per (seed, epoch, sample index) right before the sample is
-  made (loader.py), so it does not depend on the rank, the worker or the world size.
-"""
+"""Where randomness comes from, so that runs repeat exactly: model initialisation from
+`seed` on every rank; dropout and other in-model randomness per (seed, rank, epoch), each
+rank's state kept in step checkpoints for a mid-epoch resume; data augmentation per (seed,
+epoch, sample index) right before the sample is made (loader.py), whatever the rank, worker
+or world size."""
 
 import contextlib
 import hashlib
@@ -23,9 +20,8 @@ def derive_seed(*parts: int) -> int:
 
 
 def sample_seeds(epoch_seed: int, indices: list[int]) -> list[int]:
-    """One seed per sample index from its epoch's `derive_seed(seed, epoch)`, by a
-    splitmix64 step on whole arrays: a whole epoch costs less than one training step.
-    Distinct indices give distinct 64-bit values (each step is a bijection)."""
+    """One seed per sample index from `derive_seed(seed, epoch)` by splitmix64 on whole arrays
+    (an epoch costs less than a step); distinct indices give distinct seeds (a bijection)."""
     x = np.asarray(indices, dtype=np.uint64) * np.uint64(0x9E3779B97F4A7C15) + np.uint64(epoch_seed)
     x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
@@ -39,46 +35,30 @@ def seed_everything(seed: int) -> None:
 
 
 def capture_rng_state() -> dict:
-    """This process's RNG states as plain numbers: they travel between ranks and into
-    checkpoints without pickled tensors."""
-    state = {"torch": torch.get_rng_state().tolist(), "python": random.getstate()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state().tolist()
-    return state
+    """This process's RNG states as plain numbers: no pickled tensors between ranks or in checkpoints."""
+    cuda = {"cuda": torch.cuda.get_rng_state().tolist()} if torch.cuda.is_initialized() else {}
+    return {"torch": torch.get_rng_state().tolist(), "python": random.getstate(), **cuda}
 
 
 def restore_rng_state(state: dict) -> None:
     torch.set_rng_state(torch.tensor(state["torch"], dtype=torch.uint8))
-    random.setstate(to_tuples(state["python"]))
+    version, internal, gauss = state["python"]  # a checkpoint may give lists; setstate wants tuples
+    random.setstate((version, tuple(internal), gauss))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(torch.tensor(state["cuda"], dtype=torch.uint8))
 
 
 @contextlib.contextmanager
 def borrowed_rng(cpu_generator_only: bool = False):
-    """A block whose random draws leave the caller's RNG as it was: every RNG a checkpoint
-    holds (torch's CPU and GPU generators, Python's random), or with `cpu_generator_only`
-    torch's CPU generator alone, which it yields (about 1 us: fit for every batch)."""
-    if cpu_generator_only:
-        generator = torch.default_generator
-        caller = generator.get_state()
-        try:
-            yield generator
-        finally:
-            generator.set_state(caller)
-        return
-    caller = capture_rng_state()
+    """A block whose draws leave the RNGs a checkpoint holds (torch's CPU and GPU, Python's) as
+    they were; `cpu_generator_only`: torch's CPU generator alone (1 us: fit for every batch). Yields it."""
+    cpu = torch.default_generator
+    save, restore = (cpu.get_state, cpu.set_state) if cpu_generator_only else (capture_rng_state, restore_rng_state)
+    caller = save()
     try:
-        yield None
+        yield cpu
     finally:
-        restore_rng_state(caller)
-
-
-def to_tuples(value):
-    """random.setstate wants the nested tuples it gave; a checkpoint may return lists."""
-    if isinstance(value, (list, tuple)):
-        return tuple(to_tuples(v) for v in value)
-    return value
+        restore(caller)
 
 
 def set_determinism(enabled: bool, device: torch.device) -> None:

@@ -208,13 +208,15 @@ def test_sync_batchnorm_only_on_several_gpus():
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 1, reason="needs a CUDA GPU")
-def test_wrap_model_on_gpu_for_one_process():
+def test_build_and_wrap_on_gpu_for_one_process():
     from conftest import reference_config
-    from engine.parallel import wrap_model
+    from engine.parallel import build_and_wrap
     from model import BLOCKS, small_image_resnet18
 
     cfg = reference_config(None, [])
-    model, train_model = wrap_model(small_image_resnet18(10), cfg, DistEnv(), torch.device("cuda", 0), BLOCKS)
+    model, train_model = build_and_wrap(
+        lambda: small_image_resnet18(10), cfg, DistEnv(), torch.device("cuda", 0), BLOCKS{{ ", []" if cookiecutter.fsdp }}
+    )
     assert train_model is model
     assert next(model.parameters()).device == torch.device("cuda", 0)
     assert not any(isinstance(m, torch.nn.SyncBatchNorm) for m in model.modules())

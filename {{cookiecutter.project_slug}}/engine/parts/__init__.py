@@ -1,25 +1,57 @@
-"""Optional features of a run, each a `Part` in a module of this package.
+"""Optional features of a run, each a `Part` in a module of this package: `build(cfg, env)`
+returns the part (None when its settings leave it off), and `Section`, if it has settings,
+is the dataclass of its config section, named like the module (`my_part:` for my_part.py).
+A project generated without a feature has no module for it, so no section, key or hook."""
 
-A part module defines `build(cfg, env)`, which returns the part, or None when its settings
-leave it off, and, if the part has settings, `Section`, the dataclass of its config section
-(named like the module: `my_part:` in config.yaml for my_part.py). The run finds the modules present; a project
-generated without a feature has no module for it, and so no section, key or hook.
-
-The core calls a part only through the hooks of `Part` below, each a no-op by default.
-"""
-
-{% if cookiecutter.ema %}import contextlib
-{% endif %}import importlib
+import importlib
 import pkgutil
-from types import ModuleType
-{%- if cookiecutter.fsdp or cookiecutter.freezing %}
+{%- if cookiecutter.freezing or cookiecutter.fsdp %}
 
 import torch.nn as nn
 {%- endif %}
 
 
 class Part:
-    """An optional feature plugged into the run. Override the hooks it needs."""
+    """An optional feature plugged into the run. The core calls it only through these
+    hooks; it overrides those it needs, each a no-op returning None unless said otherwise:
+{%- if cookiecutter.fsdp %}
+    - build_model(build, cfg, env, device, blocks): the model from `build()`, placed and
+      wrapped by the part (FSDP shards it), or None: built, moved and wrapped in DDP by the core
+{%- endif %}
+{%- if cookiecutter.freezing %}
+    - prepare_model(model): the model as built by the task, before it is moved and wrapped
+    - joins_later(model, steps_per_epoch): {name: step} of parameters frozen now that train
+      from a later step (recipe.py)
+    - before_load(state, trained_epoch): before a checkpoint written in that epoch is loaded
+{%- endif %}
+{%- if cookiecutter.ema %}
+    - setup(state): once the run's TrainState is built, before the resume
+{%- endif %}
+{%- if cookiecutter.memory_report or cookiecutter.profiler %}
+    - start(state): after the resume, before the first step
+{%- endif %}
+    - start_epoch(state): at each epoch's start{{ "; True if the model must be wrapped again" if cookiecutter.freezing }}
+    - after_step(state): after each optimizer step
+    - after_evaluation(state, val_metrics): after each evaluation, before its checkpoint
+{%- if cookiecutter.early_stopping %}
+    - stop_reason(state): why the run ends before its last epoch, if it does
+{%- endif %}
+{%- if cookiecutter.memory_report %}
+    - epoch_figures(state): more figures for the evaluation's row of metrics.jsonl (every rank)
+{%- endif %}
+{%- if cookiecutter.tracking %}
+    - on rank 0, records of the run: open_log(start_step) as its log starts (an error there
+      stops every rank), log_scalars(step, scalars) every train.log_every_steps steps,
+      log_epoch(row) with each row of metrics.jsonl, close_log(failed) at the end
+{%- endif %}
+    - state_dict(), load_state_dict(state): small state for checkpoints, the same on every rank
+{%- if cookiecutter.ema %}
+    - with holds_weights, a second set of the model's weights (e.g. their average), saved,
+      loaded and evaluated as the model's are, under the part's name: weights(), by the
+      model's state-dict names and sharded as the model's are; swapped_into_model(), a
+      context in which the model holds them; reset_weights(), to the model's
+{%- endif %}
+    """
 
     name = ""  # its config section, and its entry in checkpoints
 {%- if cookiecutter.fsdp %}
@@ -28,104 +60,66 @@ class Part:
 {%- if cookiecutter.host_tuning %}
     host_allocator: dict[int, int] = {}  # glibc mallopt() settings the steps need instead of engine/host.py's
 {%- endif %}
+{%- endif %}
+{%- if cookiecutter.ema %}
+    holds_weights = False
+{%- endif %}
 
-    def build_model(self, build, cfg, env, device, blocks) -> nn.Module | None:
-        """The model from `build()`, placed and wrapped by the part (FSDP shards it), or
-        None: built, moved and wrapped in DDP by the core."""
-        return None
+    # The hooks, each doing nothing unless a part overrides it (what each is for: above).
+{%- if cookiecutter.fsdp %}
+    def build_model(self, build, cfg, env, device, blocks) -> nn.Module | None: ...
+{%- endif %}
+{%- if cookiecutter.freezing %}
+    def before_load(self, state, trained_epoch: int) -> None: ...
+{%- endif %}
+{%- if cookiecutter.ema %}
+    def setup(self, state) -> None: ...
+{%- endif %}
+{%- if cookiecutter.memory_report or cookiecutter.profiler %}
+    def start(self, state) -> None: ...
+{%- endif %}
+{%- if not cookiecutter.freezing %}
+    def start_epoch(self, state) -> None: ...
+{%- endif %}
+    def after_step(self, state) -> None: ...
+    def after_evaluation(self, state, val_metrics: dict) -> None: ...
+{%- if cookiecutter.early_stopping %}
+    def stop_reason(self, state) -> str | None: ...
+{%- endif %}
+    def state_dict(self) -> dict | None: ...
+    def load_state_dict(self, state: dict) -> None: ...
+{%- if cookiecutter.ema %}
+    def weights(self) -> dict: ...
+    def swapped_into_model(self): ...
+    def reset_weights(self) -> None: ...
+{%- endif %}
+{%- if cookiecutter.tracking %}
+    def open_log(self, start_step: int) -> None: ...
+    def log_scalars(self, step: int, scalars: dict) -> None: ...
+    def log_epoch(self, row: dict) -> None: ...
+    def close_log(self, failed: bool) -> None: ...
 {%- endif %}
 {%- if cookiecutter.freezing %}
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """The model as built by the task, before it is moved and wrapped."""
         return model
 
     def joins_later(self, model: nn.Module, steps_per_epoch: int | None) -> dict[str, int]:
-        """Parameters frozen now that are trained from a later step: {name: step} (recipe.py)."""
         return {}
 
-    def before_load(self, state, trained_epoch: int) -> None:
-        """Before a checkpoint written in `trained_epoch` is loaded into the model."""
-{%- endif %}
-{%- if cookiecutter.ema %}
-
-    def setup(self, state) -> None:
-        """Once the run's TrainState is built (`state`), before the resume."""
-{%- endif %}
-{%- if cookiecutter.memory_report or cookiecutter.profiler %}
-
-    def start(self, state) -> None:
-        """After the resume, before the first step."""
-{%- endif %}
-
-    def start_epoch(self, state) -> {{ "bool" if cookiecutter.freezing else "None" }}:
-        """At each epoch's start{{ "; True if the model must be wrapped again" if cookiecutter.freezing }}."""
-{%- if cookiecutter.freezing %}
+    def start_epoch(self, state) -> bool:
         return False
-{%- endif %}
-
-    def after_step(self, state) -> None:
-        """After each optimizer step."""
-
-    def after_evaluation(self, state, val_metrics: dict) -> None:
-        """After each evaluation, before its checkpoint."""
-{%- if cookiecutter.early_stopping %}
-
-    def stop_reason(self, state) -> str | None:
-        """Why the run ends before its last epoch, if it does."""
-        return None
 {%- endif %}
 {%- if cookiecutter.memory_report %}
 
     def epoch_figures(self, state) -> dict:
-        """More figures for the evaluation's row of metrics.jsonl (every rank calls this)."""
         return {}
 {%- endif %}
-{%- if cookiecutter.tracking %}
-
-    # Records of the run, on rank 0 only
-    def open_log(self, start_step: int) -> None:
-        """When rank 0 starts its log (an error here stops every rank)."""
-
-    def log_scalars(self, step: int, scalars: dict) -> None:
-        """Every train.log_every_steps steps: train/loss, train/lr, train/samples_per_s."""
-
-    def log_epoch(self, row: dict) -> None:
-        """Each evaluation's row, as metrics.jsonl has it."""
-
-    def close_log(self, failed: bool) -> None:
-        """At the end of the run, or on its way out with an error (`failed`)."""
-{%- endif %}
-
-    # Checkpoints: small state, the same on every rank
-    def state_dict(self) -> dict | None:
-        return None
-
-    def load_state_dict(self, state: dict) -> None:
-        pass
-{%- if cookiecutter.ema %}
-
-    # A second set of the model's weights (e.g. their average), saved, loaded and evaluated
-    # as the model's are, under the part's name
-    holds_weights = False
-
-    def weights(self) -> dict:
-        """The part's tensors by the model's state-dict names, sharded as the model's are."""
-        return {}
-
-    def swapped_into_model(self) -> contextlib.AbstractContextManager:
-        """A context in which the model holds the part's weights instead of its own."""
-        return contextlib.nullcontext()
-
-    def reset_weights(self) -> None:
-        """The part's weights := the model's (a checkpoint without them, or fine-tuning)."""
-{%- endif %}
 
 
-def modules() -> list[ModuleType]:
+def modules() -> list:
     """The part modules of this project, by name."""
-    names = sorted(info.name for info in pkgutil.iter_modules(__path__))
-    return [importlib.import_module(f"{__name__}.{name}") for name in names]
+    return [importlib.import_module(f"{__name__}.{n}") for n in sorted(m.name for m in pkgutil.iter_modules(__path__))]
 
 
 def sections() -> dict[str, type]:

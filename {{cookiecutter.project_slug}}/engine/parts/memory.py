@@ -1,11 +1,9 @@
-"""The memory report (a part): each epoch every rank's memory, so that imbalance (one
-rank, usually GPU 0, holding far more) and growth (a leak) show, in metrics.jsonl
-("memory") and as rank 0's table; and which processes hold memory on the node's GPUs.
-
-torch.cuda's statistics count only this process's tensors: another process's context or
-tensors on GPU 0 (a load without map_location, CUDA used before `set_device`, a leftover
-of an earlier run) show only in NVML, from the optional nvidia-ml-py (`pip install -e
-".[gpu]"`). Each node's local rank 0 asks it about its own node: no collective.
+"""The memory report (a part): every rank's memory each epoch (metrics.jsonl "memory", rank
+0's table), so that imbalance (one rank, usually GPU 0, holding far more) and growth (a
+leak) show; and, from NVML (the optional nvidia-ml-py, `pip install -e ".[gpu]"`), which
+processes hold memory on each node's GPUs: another process's context or tensors on GPU 0
+(a load without map_location, CUDA before `set_device`, a leftover run) never show in this
+process's torch.cuda figures. Each node's local rank 0 asks NVML about its node alone.
 """
 
 import gc
@@ -48,8 +46,7 @@ UNREADABLE = {"rss_mib": f"no {STATM}", "heap_used_mib": "no glibc mallinfo2"}  
 
 
 def memory_snapshot(device: torch.device) -> dict:
-    """This process's memory in MiB: RSS (peak since the start), the C heap, live tensors
-    (walks every object, ~0.1 s) and on CUDA the peaks since the last report."""
+    """This process's memory in MiB; the CUDA peaks since the last report. ~0.1 s (live tensors)."""
     per_mib = 2**20 if sys.platform == "darwin" else 2**10  # ru_maxrss: bytes on macOS, KiB on Linux
     snapshot = {"rss_peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / per_mib, 1)}
     if STATM.is_file():
@@ -108,10 +105,9 @@ def train_state_mib(state) -> dict:
 
 
 def report_memory(device: torch.device, when: str, held: dict | None = None) -> list[dict] | None:
-    """Every rank's memory (and what it `held`) on rank 0, which logs the table and any
-    imbalance, and returns them (None elsewhere); then the GPU section. Every rank must
-    call this. The CUDA peaks then restart, so that a setup peak hides no later epoch's;
-    every rank restarts alike, so the imbalance warning still compares like with like."""
+    """Every rank's figures (and `held`) logged and returned on rank 0, None elsewhere; then the
+    GPU section. Every rank must call this. The CUDA peaks then restart (on every rank alike,
+    so the imbalance warning compares like with like): a setup peak hides no later epoch's."""
     per_rank = gather_objects_on_main({**memory_snapshot(device), **(held or {})})
     if is_main():
         missing = ", ".join(f"{key} ({why})" for key, why in UNREADABLE.items() if key not in per_rank[0])
@@ -170,8 +166,7 @@ def gpu_table(host: str, when: str, gpus: list[GpuUsage]) -> str:
 
 
 def extra_process_warnings(host: str, gpus: list[GpuUsage], expected: int = EXPECTED_PER_GPU) -> list[str]:
-    """A line per GPU with more processes than the job puts there. Counted, not matched to
-    the job's pids: in a container NVML reports the host's."""
+    """Processes are counted, not matched to the job's pids: a container's NVML gives the host's."""
     return [
         f"warning: {host}: {gpu.name} holds {len(gpu.processes)} processes, expected {expected} at most ("
         + ", ".join(f"pid {pid} {mib(size)} MiB" for pid, size in gpu.processes)
@@ -183,9 +178,8 @@ def extra_process_warnings(host: str, gpus: list[GpuUsage], expected: int = EXPE
 
 
 def read_gpus() -> list[GpuUsage]:
-    """Every GPU this process sees, in torch's order. NVML numbers the node's GPUs its own
-    way (CUDA_VISIBLE_DEVICES aside), so they are matched by UUID; a GPU NVML does not
-    list whole (a MIG instance) is a LookupError."""
+    """Every GPU this process sees, in torch's order, matched to NVML's own numbering by UUID
+    (a GPU NVML does not list whole, a MIG instance, is a LookupError)."""
     import pynvml  # optional (nvidia-ml-py)
 
     pynvml.nvmlInit()
@@ -207,8 +201,7 @@ def read_gpus() -> list[GpuUsage]:
 
 
 def nvml_lines(host: str, when: str, main: bool) -> list[str]:
-    """Global rank 0's (`main`) node table, and on any node the extra-process warnings.
-    NVML failing is one line on rank 0: the report is advice, the training goes on."""
+    """Rank 0's table and any node's warnings; NVML failing is one line: the training goes on."""
     import pynvml
 
     try:

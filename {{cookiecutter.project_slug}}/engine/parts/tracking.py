@@ -1,13 +1,10 @@
-"""Where rank 0 sends the run's figures besides metrics.jsonl: TensorBoard, Weights &
-Biases and MLflow (tracking.tensorboard, .wandb, .mlflow), in any combination, the same
-curves under the same names; W&B and MLflow also get the resolved config as
-hyperparameters and each epoch's memory table.
-
-The tracker runs' ids are this part's checkpoint state: a resumed or requeued run goes on
-in the same runs, a fresh output_dir starts new ones. The x-axis is the optimizer step:
-after a restart from an older checkpoint, the steps trained again are logged again. A
-tracker that fails mid-run is dropped with a warning: metrics.jsonl has everything, and an
-error on rank 0 alone would leave the other ranks waiting.
+"""Where rank 0 sends the run's figures besides metrics.jsonl: TensorBoard, Weights & Biases,
+MLflow (tracking.tensorboard/wandb/mlflow), the same curves in each; W&B and MLflow also get
+the config as hyperparameters and each epoch's memory table. The runs' ids are checkpointed:
+a resumed run goes on in the same runs (a fresh output_dir starts new ones), its x-axis the
+optimizer step, so steps trained again are logged again. A tracker that fails mid-run is
+dropped with a warning: metrics.jsonl has everything, and an error on rank 0 alone would
+leave the other ranks waiting.
 """
 
 import importlib
@@ -110,8 +107,7 @@ def epoch_scalars(row: dict) -> dict:
 
 
 def start(kind: type, cfg, run_id: str | None, start_step: int) -> list:
-    """The tracker, or one line: a missing package (for TensorBoard a warning, the run goes
-    on without its curves), or a run that cannot start (no server, a bad URI)."""
+    """The tracker, or one line why not; TensorBoard's missing package is a warning only."""
     switch = f"tracking.{kind.name}"
     try:
         return [kind(cfg, run_id, start_step)]
@@ -143,8 +139,7 @@ class TensorBoardTracker:
     def __init__(self, cfg, run_id: None, start_step: int):
         from torch.utils.tensorboard import SummaryWriter  # here: optional, and slow to import
 
-        # After a restart from an older checkpoint, the earlier run's points beyond
-        # `start_step` are hidden: they were trained again.
+        # After a restart from an older checkpoint, the points beyond `start_step` were trained again: hidden.
         self.writer = SummaryWriter(str(Path(cfg.output_dir) / "tensorboard"), purge_step=start_step + 1)
 
     def add_scalars(self, step: int, scalars: dict) -> None:
@@ -192,9 +187,8 @@ class WandbTracker:
 
 
 class MlflowTracker:
-    """An MLflow run in the experiment tracking.project, at MLFLOW_TRACKING_URI (else
-    ./mlflow.db). Parameters are logged once, at the run's creation: MLflow keeps a
-    parameter's first value."""
+    """An MLflow run at MLFLOW_TRACKING_URI (else ./mlflow.db), its parameters logged when it
+    is created: MLflow keeps a parameter's first value."""
 
     name, module = "mlflow", "mlflow.tracking"
 

@@ -1,16 +1,9 @@
-"""What a run leaves about itself: what produced it, and rank 0's lines in train.log.
-
-What produced it (the git commit, the versions, the launch and its hosts) is in every
-checkpoint ("provenance"), in the header of output_dir/config.yaml, and its commit in the
-run's opening line, which also says why there is none: no git repository, git missing,
-failing or not answering, or the config's `provenance` false (then git never runs). git
-runs in the project folder without the repository's fsmonitor command, optional locks or
-prompts; what else the repository names (a filter) may run, and is stopped with git after
-GIT_TIMEOUT seconds.
-
-train.log: everything rank 0 prints, the error that ends a run included, across resumes.
-(The flight recorder, each rank's last collectives in output_dir/flight_recorder/ on a
-hang, is engine/distributed.py's, with this part.)
+"""What a run leaves about itself. What produced it (git commit, versions, launch, hosts):
+in every checkpoint ("provenance"), atop output_dir/config.yaml, and the commit, or why
+there is none, in the run's opening line. git runs in the project folder without the
+repository's fsmonitor command, optional locks or prompts, and is stopped, with what it
+started (a filter), after GIT_TIMEOUT seconds. train.log: everything rank 0 prints, across
+resumes. (The flight recorder on a hang is engine/distributed.py's, with this part.)
 """
 
 import contextlib
@@ -29,8 +22,7 @@ import torch
 from engine.distributed import DistEnv, all_gather_objects, broadcast_from_main, is_main
 
 GIT_TIMEOUT = 10  # seconds for both git calls: a repository's own hooks or filters may hang
-# No fsmonitor command (core.fsmonitor=false, below), no optional lock (a run must not block
-# the user's git), no questions, English.
+# No optional lock (a run must not block the user's git), no questions, English.
 GIT_ENV = {"GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C"}
 NOT_ASKED = {"unknown": "git commit not recorded (provenance=false)"}
 
@@ -73,8 +65,7 @@ def git_state(folder: Path, timeout: float = GIT_TIMEOUT) -> dict | None:
 
 
 def git(folder: Path, deadline: float, *args: str) -> str | None:
-    """git's output; None outside a repository. In a session of its own, so that a timeout
-    stops whatever it started too (a hook, a filter)."""
+    """git's output; None outside a repository. A session of its own: a timeout stops its children too."""
     try:
         command, env = ["git", "-c", "core.fsmonitor=false", *args], {**os.environ, **GIT_ENV}
         pipes = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
@@ -119,8 +110,7 @@ def header(provenance: dict, most_hosts: int = 8) -> str:
 
 
 def keep_output_in(path: Path) -> None:
-    """From here on, what the process prints (stdout and stderr: its lines, the errors that
-    end it) is also appended to `path`, but for a progress bar's redrawn line."""
+    """What the process prints from here on (its errors too) also appended to `path`, bar frames aside."""
     record = path.open("a", encoding="utf-8", buffering=1)  # a line at a time
     sys.stdout, sys.stderr = AlsoTo(sys.stdout, record), AlsoTo(sys.stderr, record)
 

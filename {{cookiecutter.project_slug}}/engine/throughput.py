@@ -1,11 +1,8 @@
-"""Speed in the task's own units, and the model FLOPs utilisation (MFU).
-
-Items: model.py may define `count_items(batch) -> (unit, count)`, e.g. ("tokens", the
-batch's non-padding tokens); the run then reports `<unit>_per_s` beside samples_per_s.
-MFU: one training micro-batch's FLOPs (forward and backward, recomputed activations
-included, as FlopCounterMode counts this process's first), times micro-batches per second,
-over the device's peak: train.peak_tflops, else PEAK_TFLOPS's under bf16/fp16; with
-neither, nothing is counted and there is no MFU.
+"""Speed in the task's own units, and the model FLOPs utilisation (MFU). Items: model.py's
+optional `count_items(batch) -> (unit, count)`, e.g. ("tokens", non-padding tokens), gives
+`<unit>_per_s`. MFU: the first micro-batch's FLOPs (forward, backward and any recomputed
+activations, by FlopCounterMode) times micro-batches per second over the device's peak
+(train.peak_tflops, else PEAK_TFLOPS's under bf16/fp16); no peak, nothing counted.
 """
 
 import contextlib
@@ -95,8 +92,7 @@ class Throughput:
         self.host_items = 0.0
 
     def figures(self, items_total: float, micro_batches: int, elapsed: float) -> dict:
-        """<unit>_per_s over every rank; model_tflops_per_s and mfu per device (this one's
-        `micro_batches`), as far as they are known."""
+        """<unit>_per_s over every rank; model_tflops_per_s and mfu per device, where known."""
         figures = {} if self.unit is None else {f"{self.unit}_per_s": items_total / max(elapsed, 1e-9)}
         if self.flops_per_micro_batch is not None:
             achieved = self.flops_per_micro_batch * micro_batches / max(elapsed, 1e-9)

@@ -1,12 +1,8 @@
 """FSDP (a part, fsdp.enabled): parameters, gradients and optimizer state sharded across
-processes, for models too big for one device; DDP's replica per process otherwise.
-
-The full model never reaches a device: rank 0 builds it in host memory (the initial
-weights of one process with the seed), the others on the meta device; every rank shards
-the empty structure per block (model.py's BLOCKS), then each tensor goes from rank 0 to
-the shards one at a time. Tied weights (an output layer sharing its embedding's) stay
-tied on every rank. Checkpoints are folders of every rank's shards (engine/sharded.py)
-on any number of processes: one kind per run.
+processes, for models too big for one device. The full model never reaches a device: rank
+0 builds it in host memory, the others on meta; the structure is sharded per block
+(model.py's BLOCKS) and rank 0's tensors sent to the shards one at a time; tied weights stay
+tied. Checkpoints are folders of every rank's shards (engine/sharded.py), one kind per run.
 """
 
 from collections.abc import Callable
@@ -53,9 +49,8 @@ class Fsdp(Part):
         self.shards_model = env.world_size > 1  # on one process the model stays whole
 
     def build_model(self, build: Callable[[], nn.Module], cfg, env, device, blocks) -> nn.Module | None:
-        """Rank 0 builds the model in host memory, the others on meta; all shard the
-        structure on meta, allocate their shards, and receive rank 0's values tensor by
-        tensor. Every rank must call this."""
+        """Built on meta (rank 0: in host memory, then to meta), sharded, then rank 0's values
+        sent tensor by tensor. Every rank must call this."""
         if not self.shards_model:
             return None
         with stop_all_if_any_fails(device):  # a build failing on some ranks only stops all
@@ -67,7 +62,15 @@ class Fsdp(Part):
             else:
                 model, full, buffers = build_on_meta(build), {}, {}
         model = prepare_modules(model, cfg, env, device, blocks)
-        shard(model, cfg, device, blocks)
+        check_ties_within_blocks(model, blocks)
+        # fully_shard per block, then the root: one all-gather per block, freed after use.
+        # bf16/fp16 parameters for the compute and all-gathers, fp32 gradients for the
+        # reduce-scatter (a sum of N low-precision gradients loses bits); fp32: no casts, exact.
+        dtype = AMP_DTYPES.get(cfg.train.precision)  # None for fp32
+        policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
+        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.fsdp.cpu_offload else OffloadPolicy()
+        for module in [*(m for m in model.modules() if isinstance(m, blocks)), model]:
+            fully_shard(module, offload_policy=offload, mp_policy=policy)
         model.to_empty(device=device)  # each rank's shards, and the (unsharded) buffers
         set_model_state_dict(model, full, options=StateDictOptions(full_state_dict=True, broadcast_from_rank0=True))
         with torch.no_grad():
@@ -115,18 +118,6 @@ def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
         ) from error
 
 
-def shard(model: nn.Module, cfg, device: torch.device, blocks) -> None:
-    """fully_shard per block, then the root: one all-gather per block, freed after use.
-    bf16/fp16 parameters for the compute and all-gathers, fp32 gradients for the
-    reduce-scatter (a sum of N low-precision gradients loses bits); fp32: no casts, exact."""
-    dtype = AMP_DTYPES.get(cfg.train.precision)  # None for fp32
-    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
-    offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.fsdp.cpu_offload else OffloadPolicy()
-    check_ties_within_blocks(model, blocks)
-    for module in [*(m for m in model.modules() if isinstance(m, blocks)), model]:
-        fully_shard(module, offload_policy=offload, mp_policy=policy)
-
-
 def check_ties_within_blocks(model: nn.Module, blocks) -> None:
     """Refuse tied parameters that sharding per block would split: FSDP gathers each
     block's parameters on their own, so a tied one must stay within one block, or outside all."""
@@ -137,8 +128,7 @@ def check_ties_within_blocks(model: nn.Module, blocks) -> None:
                 owners[f"{name}.{param_name}" if name else param_name] = (name, module)
     for group in tied_names(model.named_parameters(remove_duplicate=False)):
         if len({id(owners[name][1]) for name in group}) > 1:
-            where = {name: f"block {owners[name][0]}" if owners[name][0] else "no block" for name in group}
-            places = " and ".join(f"{name} ({where[name]})" for name in group)
+            places = " and ".join(f"{n} ({'block ' + owners[n][0] if owners[n][0] else 'no block'})" for n in group)
             types = sorted({type(owners[name][1]).__name__ for name in group if owners[name][0]})
             raise TaskError(
                 f"the tied parameters {places} are in different FSDP blocks, which cannot "

@@ -6,8 +6,7 @@ optimizer (a step hook), so the loop does not change and the other steps cost no
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+from torch.profiler import profile, schedule, tensorboard_trace_handler
 
 from engine.config import check_positive
 from engine.logs import log
@@ -46,8 +45,7 @@ class Profiler(Part):
                 log(f"profiling skipped: the run resumes at step {state.step}, after profiler.start_step={self.first}")
             return
         warmup = min(before, 1)  # a step to settle the profiler's own start, when there is one
-        self.profiler = profile(
-            activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else []),
+        self.profiler = profile(  # on the CPU and each accelerator present (torch's default)
             schedule=schedule(wait=before - warmup, warmup=warmup, active=self.count, repeat=1),
             on_trace_ready=self.trace,
             record_shapes=True,

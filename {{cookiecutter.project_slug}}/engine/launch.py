@@ -2,25 +2,18 @@
 
   python -m engine.launch --standalone --nproc_per_node=4 train.py [section.key=value ...]
 
-It takes exactly torchrun's options, and is torchrun (torch.distributed.run's own parser
-and launch) but for how it ends:
-
-- a process fails: one line on stderr, not torchrun's failure summary and traceback
-  (about 38 lines): the process's own `error: ...` line, or for a crash its exception,
-  for a process killed by a signal which one. The exit code is the process's (2 for bad
-  input), 128 + the signal for a killed one; torchrun exits 1 for everything.
-- SIGINT or SIGTERM (Ctrl-C, a scheduler's stop): torchrun passes it to every process
-  and waits for them. When each saved a checkpoint, train.py's `stopped at step N ...`
-  line is the last word and the exit code 75 (stopped: the same command continues), as
-  train.py's own; otherwise one line instead of torchrun's SignalException traceback,
-  exit code 128 + the signal (130, 143), as a shell reports. (`--signals-to-handle=...,SIGUSR1`
-  adds SIGUSR1, as sweep.py does.)
-- the processes stop by themselves (a signal sent to them alone): train.py's `stopped at
-  step N ...` line, exit code 75, as train.py's own.
-
-A process leaves its line where torchrun looks for a failure's message: the error file
-torchrun names in TORCHELASTIC_ERROR_FILE (engine.logs.hand_to_launcher, in the format of
-torch's `@record`), so plain torchrun's summary shows the line too.
+It takes torchrun's options and is torchrun (its parser and launch) but for how it ends:
+- a process fails: one line on stderr instead of about 38 (the process's `error: ...`
+  line, a crash's exception, or a kill's signal) and the process's exit code (2 for bad
+  input; 128 + the signal for a kill), where torchrun exits 1 for everything;
+- SIGINT or SIGTERM: torchrun passes it on and waits. When every process saved a
+  checkpoint, train.py's `stopped at step N ...` is the last line and the exit code 75
+  (stopped: the same command continues), as train.py's own; otherwise one line, not a
+  traceback, and 128 + the signal (130, 143) as a shell reports;
+  `--signals-to-handle=...,SIGUSR1` adds SIGUSR1, as sweep.py does;
+- the processes stop by themselves: train.py's `stopped at step N ...`, exit code 75.
+A process leaves its line in the error file torchrun names (TORCHELASTIC_ERROR_FILE, in
+`@record`'s format: engine.logs.hand_to_launcher), so plain torchrun's summary shows it too.
 """
 
 import json
@@ -46,9 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         launch(args)
     except ChildFailedError as failed:
-        rank, failure = likely_cause(failed.failures)
-        print(failure_line(rank, failure), file=sys.stderr, flush=True)
-        return exit_code(failure)
+        line, code = shown_failure(failed.failures)
+        print(line, file=sys.stderr, flush=True)
+        return code
     except (SignalException, KeyboardInterrupt) as stop:
         # torchrun has passed the signal on and waited for its processes: a further signal may end this one at once.
         for stop_signal in (signal.SIGINT, signal.SIGTERM):
@@ -56,18 +49,16 @@ def main(argv: list[str] | None = None) -> int:
         sigval = getattr(stop, "sigval", signal.SIGINT)  # KeyboardInterrupt: before torchrun took the signals
         if isinstance(stop, SignalException) and not processes_left() and all_saved(Path(args.log_dir)):
             return STOPPED_EXIT_CODE  # each said so (train.py's `stopped at step N ...`): the same command continues
-        print(stopped_line(sigval, started=isinstance(stop, SignalException)), file=sys.stderr, flush=True)
+        passed = f"stopped by {sigval.name}: torchrun passed it on to every process"
+        if not isinstance(stop, SignalException):
+            line = f"stopped by {sigval.name} before any process started"
+        elif processes_left():  # torchrun gave up waiting (a signal while it waited): they stop on their own
+            line = f"{passed}; some are still stopping on their own"
+        else:
+            line = f"{passed}, and all have ended (their last lines say how)"
+        print(line, file=sys.stderr, flush=True)
         return 128 + sigval
     return 0
-
-
-def stopped_line(sigval: signal.Signals, started: bool) -> str:
-    stopped = f"stopped by {sigval.name}"
-    if not started:
-        return f"{stopped} before any process started"
-    if processes_left():  # torchrun gave up waiting (a signal while it waited): they stop on their own
-        return f"{stopped}: torchrun passed it on to every process; some are still stopping on their own"
-    return f"{stopped}: torchrun passed it on to every process, and all have ended (their last lines say how)"
 
 
 def all_saved(log_dir: Path) -> bool:
@@ -80,7 +71,7 @@ def all_saved(log_dir: Path) -> bool:
 
 
 def processes_left() -> bool:
-    """Whether a process this one started is still running (those that ended are reaped)."""
+    """Whether a process this one started still runs (those that ended are reaped)."""
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -90,77 +81,36 @@ def processes_left() -> bool:
             return True
 
 
-def likely_cause(failures: dict[int, ProcessFailure]) -> tuple[int, ProcessFailure]:
-    """The failure that most likely caused the others. torchrun's 'first observed failure'
-    compares whole seconds, and dates a failure without an error file when it noticed it:
-    a process that stopped because another failed often looks first."""
-    return min(failures.items(), key=lambda item: (blame_order(item[1]), item[1].timestamp, item[0]))
+def shown_failure(failures: dict[int, ProcessFailure]) -> tuple[str, int]:
+    """The line and exit code of the failure that most likely caused the others: torchrun's
+    'first observed failure' compares whole seconds, and dates a failure without an error
+    file when it noticed it, so a process that stopped because another failed often looks first."""
+    return min(diagnosis(rank, failure) for rank, failure in failures.items())[-2:]
 
 
-def blame_order(failure: ProcessFailure) -> int:
-    """Lower first: an `error: ...` line of the process (bad input, out of memory: what it
-    found wrong); a kill from outside (SIGKILL: out of memory); a crash (@record's
-    traceback); any other line of the process (`rank N stopped: lost contact with another
-    process`: a consequence); an exit code alone (a process that stopped because another
-    did); SIGTERM (what torchrun sends the rest as soon as one exits)."""
-    word = last_word(failure)
-    if word is not None:
-        return 0 if word[0].startswith("error: ") else 3
-    if failure.exitcode == -signal.SIGTERM:
-        return 5
-    if failure.exitcode < 0:
-        return 1
-    return 2 if traceback_message(failure) is not None else 4
-
-
-def last_word(failure: ProcessFailure) -> tuple[str, int] | None:
-    """The line and exit code the process left in its error file (`hand_to_launcher`);
-    None when it left none, or a traceback (@record)."""
-    message = recorded(failure)
-    if message is None or "errorCode" not in message:
-        return None
-    line = message.get("extraInfo", {}).get("py_callstack", "").strip()
-    return (line, int(message["errorCode"])) if line and "\n" not in line else None
-
-
-def traceback_message(failure: ProcessFailure) -> str | None:
-    """The last line of the exception @record wrote for the process, if it did."""
-    message = recorded(failure)
-    if message is None or last_word(failure) is not None:
-        return None
-    # `Type: message`; a DataLoader worker's error carries the worker's traceback, its cause last.
-    lines = str(message.get("message", "")).strip().splitlines() or ["an exception"]
-    exception_type = lines[0].split(":")[0]
-    return lines[-1] if lines[-1].startswith(exception_type) else f"{exception_type}: {lines[-1]}"
-
-
-def recorded(failure: ProcessFailure) -> dict | None:
-    """What the process wrote into its error file, in @record's layout."""
-    if os.path.isfile(failure.error_file) and isinstance(failure.message, dict):
-        return failure.message
-    return None
-
-
-def failure_line(rank: int, failure: ProcessFailure) -> str:
-    word = last_word(failure)
-    if word is not None:
-        return word[0]
-    exception = traceback_message(failure)
-    if exception is not None:
-        return f"error: rank {rank} failed: {exception} (traceback above and in {failure.error_file})"
-    if failure.exitcode < 0:
+def diagnosis(rank: int, failure: ProcessFailure) -> tuple[int, float, int, str, int]:
+    """(blame, timestamp, rank, line, exit code). Blamed first: the process's `error: ...`
+    line (what it found wrong); a kill from outside (SIGKILL: out of memory); a crash
+    (@record's traceback); another line of the process (`rank N stopped: lost contact
+    ...`: a consequence); an exit code alone; SIGTERM (torchrun's to the rest)."""
+    recorded = os.path.isfile(failure.error_file) and isinstance(failure.message, dict)
+    message = failure.message if recorded else None
+    word = message.get("extraInfo", {}).get("py_callstack", "").strip() if message and "errorCode" in message else ""
+    if word and "\n" not in word:  # hand_to_launcher's one line, and the exit code it was about to exit with
+        return (0 if word.startswith("error: ") else 3), failure.timestamp, rank, word, int(message["errorCode"])
+    code = failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode  # a kill: 128 + the signal
+    blame = 5 if failure.exitcode == -signal.SIGTERM else 1 if failure.exitcode < 0 else 2 if message is not None else 4
+    if message is not None:  # @record's `Type: message`; a DataLoader worker's error carries its cause last
+        lines = str(message.get("message", "")).strip().splitlines() or ["an exception"]
+        kind = lines[0].split(":")[0]
+        exception = lines[-1] if lines[-1].startswith(kind) else f"{kind}: {lines[-1]}"
+        line = f"error: rank {rank} failed: {exception} (traceback above and in {failure.error_file})"
+    elif failure.exitcode < 0:
         cause = " (the out-of-memory killer, or kill -9)" if failure.exitcode == -signal.SIGKILL else ""
-        return f"error: rank {rank} (pid {failure.pid}) was killed by {failure.signal_name()}{cause}"
-    return f"error: rank {rank} exited with code {failure.exitcode}; its output above may say why"
-
-
-def exit_code(failure: ProcessFailure) -> int:
-    """The code the process exited, or was about to exit, with; for a kill, 128 + the
-    signal, as a shell reports it."""
-    word = last_word(failure)
-    if word is not None:
-        return word[1]
-    return failure.exitcode if failure.exitcode > 0 else 128 - failure.exitcode
+        line = f"error: rank {rank} (pid {failure.pid}) was killed by {failure.signal_name()}{cause}"
+    else:
+        line = f"error: rank {rank} exited with code {failure.exitcode}; its output above may say why"
+    return blame, failure.timestamp, rank, line, code
 
 
 if __name__ == "__main__":

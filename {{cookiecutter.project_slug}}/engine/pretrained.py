@@ -1,9 +1,7 @@
-"""Starting from published weights: torchvision's, by name (e.g. ResNet18_Weights.DEFAULT),
-read from torch's hub cache (TORCH_HOME/hub/checkpoints, by default ~/.cache/torch).
-
-The run never downloads them: every process of every node would fetch the same file at
-once, and cluster nodes often have no internet. Fetch them once where there is, with the
-command the error gives, and copy the cache folder to the nodes (or share TORCH_HOME).
+"""Published weights: torchvision's, by name (e.g. ResNet18_Weights.DEFAULT), from torch's
+hub cache (TORCH_HOME/hub/checkpoints, by default ~/.cache/torch). The run never downloads
+them: every process of every node would fetch the same file at once, and cluster nodes
+often have no internet; the error gives the command to fetch them once where there is.
 """
 
 from pathlib import Path
@@ -29,36 +27,29 @@ def load_pretrained(model: nn.Module, name: str) -> None:
     if any(p.is_meta for p in model.parameters()):
         return
 {%- endif %}
-    published = cached_state_dict(name)
-    own = model.state_dict()
-    fits = {key: value for key, value in published.items() if key in own and value.shape == own[key].shape}
-    model.load_state_dict(fits, strict=False)
-    fresh = [key for key in own if key not in fits and not key.endswith("num_batches_tracked")]
-    if is_main():
-        named = ", ".join(fresh[:SHOWN]) + (f" and {len(fresh) - SHOWN} more" if len(fresh) > SHOWN else "")
-        log(
-            f"pretrained {name}: {len(fits)} of {len(own)} tensors loaded"
-            + (f"; initialised fresh (another shape, or not in the weights): {named}" if fresh else "")
-        )
-
-
-def cached_state_dict(name: str) -> dict:
     try:
-        weights = get_weight(name)
+        path = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(get_weight(name).url).path).name
     except (ValueError, KeyError, AttributeError):
         raise ConfigError(
             f"model.pretrained: unknown weights {name!r}; name torchvision's, e.g. ResNet18_Weights.DEFAULT"
         ) from None
-    path = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(weights.url).path).name
     if not path.is_file():
         fetch = f"python -c \"from torchvision.models import get_weight; get_weight('{name}').get_state_dict()\""
         raise UsageError(
             f"pretrained weights {name} are not in {path}; fetch them once where there is internet: {fetch}"
         )
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        published = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001  torn download, or not a weights file
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+        reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
         raise UsageError(
             f"pretrained weights {path} cannot be loaded ({reason}); delete the file and fetch it again"
         ) from None
+    own = model.state_dict()
+    fits = {key: value for key, value in published.items() if key in own and value.shape == own[key].shape}
+    model.load_state_dict(fits, strict=False)
+    fresh = [key for key in own if key not in fits and not key.endswith("num_batches_tracked")]
+    if is_main():
+        named = ", ".join(fresh[:SHOWN]) + (f" and {len(fresh) - SHOWN} more" if len(fresh) > SHOWN else "")
+        fresh_line = f"; initialised fresh (another shape, or not in the weights): {named}" if fresh else ""
+        log(f"pretrained {name}: {len(fits)} of {len(own)} tensors loaded{fresh_line}")

@@ -15,7 +15,7 @@ from torch.distributed.elastic.multiprocessing import ProcessFailure
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
 from conftest import FAST, children, clean_env, finish, last_wins, machinery_project, wait_for_line
-from engine.launch import all_saved, exit_code, failure_line, likely_cause
+from engine.launch import all_saved, shown_failure
 from engine.lifecycle import pid_alive
 from engine.logs import write_last_word
 
@@ -92,11 +92,6 @@ def failure(tmp_path, rank: int, exitcode: int, word=None, exception=None) -> Pr
     return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(error_file))
 
 
-def shown(failures: dict[int, ProcessFailure]) -> tuple[str, int]:
-    rank, cause = likely_cause(failures)
-    return failure_line(rank, cause), exit_code(cause)
-
-
 BAD_LR = ("error: optim.lr must be > 0, got -1.0", 2)
 LOST = ("rank 0 stopped: lost contact with another process: it crashed, was killed, ...", 1)
 
@@ -105,19 +100,19 @@ def test_the_line_of_a_process_torchrun_ended_while_it_exited_keeps_its_exit_cod
     """torchrun sends SIGTERM to the rest as soon as one process exits: rank 0, slower to
     leave after saying why, may die of it; the quiet rank 1 exited first."""
     failures = {0: failure(tmp_path, 0, -signal.SIGTERM, word=BAD_LR), 1: failure(tmp_path, 1, 2)}
-    assert shown(failures) == BAD_LR
+    assert shown_failure(failures) == BAD_LR
 
 
 def test_a_killed_process_is_blamed_rather_than_the_ones_that_lost_contact_with_it(tmp_path):
     failures = {0: failure(tmp_path, 0, 1, word=LOST), 1: failure(tmp_path, 1, -signal.SIGKILL)}
     killed = "error: rank 1 (pid 1001) was killed by SIGKILL (the out-of-memory killer, or kill -9)"
-    assert shown(failures) == (killed, 137)
+    assert shown_failure(failures) == (killed, 137)
 
 
 def test_a_crash_is_blamed_rather_than_the_ones_that_lost_contact_with_it(tmp_path):
     crash = "RuntimeError: Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback\nRuntimeError: boom"
     failures = {0: failure(tmp_path, 0, 1, word=LOST), 1: failure(tmp_path, 1, 1, exception=crash)}
-    line, code = shown(failures)
+    line, code = shown_failure(failures)
     assert line.startswith("error: rank 1 failed: RuntimeError: boom (traceback above and in ") and code == 1
 
 

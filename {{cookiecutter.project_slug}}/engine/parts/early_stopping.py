@@ -1,8 +1,6 @@
-"""Early stopping: end the run when checkpoint.best_metric has stopped improving.
-
-Every rank decides alike without communicating: the validation metrics it is given are
-already the same on every rank (engine.metrics reduces them exactly). The count is part
-of the checkpoint, so a resumed or requeued run keeps it.
+"""Early stopping: end the run when checkpoint.best_metric has stopped improving. Every
+rank decides alike without communicating (engine.metrics reduces the validation metrics
+exactly); the count is in the checkpoint, so a resumed or requeued run keeps it.
 """
 
 from dataclasses import dataclass
@@ -23,26 +21,23 @@ class Section:
 
 
 def build(cfg, env) -> "EarlyStopping | None":
-    if not cfg.early_stopping.patience:
-        return None
-    best = checkpoint_dir(cfg.output_dir) / "best.pt"
-    return EarlyStopping(cfg.early_stopping, cfg.checkpoint.best_metric, cfg.checkpoint.best_mode, str(best))
+    return EarlyStopping(cfg) if cfg.early_stopping.patience else None
 
 
 class EarlyStopping(Part):
     name = "early_stopping"
 
-    def __init__(self, section: Section, metric: str, mode: str, best_checkpoint: str):
-        self.patience, self.min_delta = section.patience, section.min_delta
-        self.metric, self.mode, self.best_checkpoint = metric, mode, best_checkpoint  # checkpoint.best_*
+    def __init__(self, cfg):
+        self.patience, self.min_delta = cfg.early_stopping.patience, cfg.early_stopping.min_delta
+        self.metric, self.sign = cfg.checkpoint.best_metric, -1 if cfg.checkpoint.best_mode == "min" else 1
+        self.best_checkpoint = checkpoint_dir(cfg.output_dir) / "best.pt"
         self.best: float | None = None  # the value of the last improvement that counted
         self.epochs_without_improvement = 0
 
     def after_evaluation(self, state, val_metrics: dict) -> None:
         """Count the epoch just evaluated (before its checkpoint, which then holds it)."""
         value = val_metrics[self.metric]
-        gain = (self.best - value if self.mode == "min" else value - self.best) if self.best is not None else None
-        if gain is None or gain > self.min_delta:
+        if self.best is None or self.sign * (value - self.best) > self.min_delta:
             self.best, self.epochs_without_improvement = value, 0
         else:
             self.epochs_without_improvement += 1

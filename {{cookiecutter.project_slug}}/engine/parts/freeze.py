@@ -1,11 +1,8 @@
 """Freezing part of the model, e.g. a pretrained backbone: the parameters whose names start
 with one of freeze.params' prefixes get no gradient, so backward skips them and the
-optimizer leaves them as they are.
-
-For freeze.epochs epochs only, they are in the optimizer from the start (without a
-gradient it skips them; recipe.py gets them as `joins_later`) and are unfrozen at that
-epoch's start. DDP decides which parameters it all-reduces when it is built, so the model
-is then wrapped again.
+optimizer leaves them as they are. With freeze.epochs, only for that many epochs: they are
+in the optimizer from the start (recipe.py gets them as `joins_later`), and at the unfreeze
+the model is wrapped again, since DDP fixes which parameters it all-reduces when built.
 """
 
 from dataclasses import dataclass
@@ -38,14 +35,11 @@ class Section:
 
 
 def build(cfg, env) -> "Freezing | None":
-    if not cfg.freeze.prefixes:
-        return None
 {%- if cookiecutter.fsdp %}
-    if cfg.freeze.epochs and cfg.fsdp.enabled:
-        # FSDP fixes which parameters take gradients when it shards the model.
+    if cfg.freeze.epochs and cfg.fsdp.enabled:  # FSDP fixes which parameters take gradients when it shards
         raise ConfigError("freeze.epochs needs DDP (fsdp.enabled=false); under FSDP, freeze for the whole run")
 {%- endif %}
-    return Freezing(cfg.freeze)
+    return Freezing(cfg.freeze) if cfg.freeze.prefixes else None
 
 
 class Freezing(Part):
@@ -55,17 +49,13 @@ class Freezing(Part):
         self.prefixes, self.epochs = section.prefixes, section.epochs
         self.wrapped_frozen = True  # the DDP wrapper was built with the frozen parameters left out
 
-    def is_frozen_name(self, name: str) -> bool:
-        return name.startswith(self.prefixes)
-
-    def frozen_at(self, epoch: int) -> bool:
-        return self.epochs == 0 or epoch < self.epochs
-
-    def set_requires_grad(self, model: nn.Module, epoch: int) -> None:
-        """The parameters frozen or not, as at `epoch`."""
+    def set_requires_grad(self, model: nn.Module, epoch: int) -> bool:
+        """The parameters frozen or not, as at `epoch`; whether they are frozen."""
+        frozen = self.epochs == 0 or epoch < self.epochs
         for name, parameter in model.named_parameters():
-            if self.is_frozen_name(name):
-                parameter.requires_grad_(not self.frozen_at(epoch))
+            if name.startswith(self.prefixes):
+                parameter.requires_grad_(not frozen)
+        return frozen
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
         """The model as at the first epoch; a prefix that names no parameter is an error."""
@@ -81,21 +71,17 @@ class Freezing(Part):
         return model
 
     def joins_later(self, model: nn.Module, steps_per_epoch: int | None) -> dict[str, int]:
-        if not self.epochs:
-            return {}
-        if steps_per_epoch is None:
+        if self.epochs and steps_per_epoch is None:
             raise ConfigError("freeze.epochs counts epochs, which a stream has no length for; freeze for the whole run")
-        first_step = self.epochs * steps_per_epoch
-        return {name: first_step for name, _ in model.named_parameters() if self.is_frozen_name(name)}
+        names = [name for name, _ in model.named_parameters() if name.startswith(self.prefixes)]
+        return dict.fromkeys(names, self.epochs * steps_per_epoch) if self.epochs else {}
 
     def before_load(self, state, trained_epoch: int) -> None:
-        # As in the checkpoint's last step: the optimizer loads state for the parameters
-        # that needed gradients then.
+        # As in the checkpoint's last step: the optimizer loads state for the parameters that needed gradients then.
         self.set_requires_grad(state.model, trained_epoch)
 
     def start_epoch(self, state) -> bool:
-        self.set_requires_grad(state.model, state.epoch)
-        frozen = self.frozen_at(state.epoch)
+        frozen = self.set_requires_grad(state.model, state.epoch)
         changed, self.wrapped_frozen = frozen != self.wrapped_frozen, frozen
         if changed and not frozen and is_main():
             log(f"epoch {state.epoch}: the parameters of freeze.params are trained from here on")

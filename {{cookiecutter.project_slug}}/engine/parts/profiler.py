@@ -1,15 +1,12 @@
 """Profiling: a few optimizer steps recorded with torch.profiler, into a trace that
-TensorBoard's profiler plugin and Perfetto (ui.perfetto.dev) open.
-
-It hangs on the optimizer (a step hook), so the training loop does not change, and it
-costs nothing outside the steps it records. The run goes on normally.
+TensorBoard's profiler plugin and Perfetto (ui.perfetto.dev) open. It hangs on the
+optimizer (a step hook), so the loop does not change and the other steps cost nothing.
 """
 
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-from torch.profiler import ProfilerActivity, profile, schedule, tensorboard_trace_handler
+from torch.profiler import profile, schedule, tensorboard_trace_handler
 
 from engine.config import check_positive
 from engine.logs import log
@@ -28,51 +25,39 @@ class Section:
 
 
 def build(cfg, env) -> "Profiler | None":
-    if not cfg.profiler.steps or not (env.rank == 0 or cfg.profiler.all_ranks):
-        return None
-    return Profiler(cfg.profiler, env.rank, cfg.output_dir)
+    on = cfg.profiler.steps and (env.rank == 0 or cfg.profiler.all_ranks)
+    return Profiler(cfg.profiler, env.rank, cfg.output_dir) if on else None
 
 
 class Profiler(Part):
+    """Records steps profiler.start_step to start_step + steps - 1 (numbered as in the log)."""
+
     name = "profiler"
 
     def __init__(self, section: Section, rank: int, output_dir: str):
-        self.section, self.rank, self.output_dir = section, rank, output_dir
+        self.first, self.count, self.rank = section.start_step, section.steps, rank
+        self.trace = tensorboard_trace_handler(str(Path(output_dir) / "profile"), worker_name=f"rank{rank}")
 
     def start(self, state) -> None:
-        profile_steps(state.optimizer, self.section, self.rank, state.step, self.output_dir)
+        before = self.first - state.step - 1  # profiler steps before the first recorded one
+        if before < 0:
+            if self.rank == 0:
+                log(f"profiling skipped: the run resumes at step {state.step}, after profiler.start_step={self.first}")
+            return
+        warmup = min(before, 1)  # a step to settle the profiler's own start, when there is one
+        self.profiler = profile(  # on the CPU and each accelerator present (torch's default)
+            schedule=schedule(wait=before - warmup, warmup=warmup, active=self.count, repeat=1),
+            on_trace_ready=self.trace,
+            record_shapes=True,
+        )
+        self.profiler.start()
+        self.remaining = before + self.count
+        state.optimizer.register_step_post_hook(self.advance)
 
-
-def profile_steps(optimizer: torch.optim.Optimizer, section: Section, rank: int, step: int, output_dir: str):
-    """Record optimizer steps profiler.start_step to profiler.start_step + profiler.steps - 1
-    (numbered as in the log) on rank 0, or on every rank with profiler.all_ranks, into
-    output_dir/profile. `step` is the run's step now (after a resume). Returns the profiler,
-    or None when there is nothing to record."""
-    first, count = section.start_step, section.steps
-    before = first - step - 1  # profiler steps before the first recorded one
-    if before < 0:
-        if rank == 0:
-            log(f"profiling skipped: the run resumes at step {step}, after profiler.start_step={first}")
-        return None
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
-    warmup = min(before, 1)  # a step to settle the profiler's own start, when there is one
-    profiler = profile(
-        activities=activities,
-        schedule=schedule(wait=before - warmup, warmup=warmup, active=count, repeat=1),
-        on_trace_ready=tensorboard_trace_handler(str(Path(output_dir) / "profile"), worker_name=f"rank{rank}"),
-        record_shapes=True,
-    )
-    profiler.start()
-    remaining = before + count
-
-    def advance(*_) -> None:
-        # Not removed from inside: the optimizer is iterating over its hooks.
-        nonlocal remaining
-        if remaining > 0:
-            profiler.step()
-            remaining -= 1
-            if remaining == 0:  # the trace is written now
-                profiler.stop()
-
-    optimizer.register_step_post_hook(advance)
-    return profiler
+    def advance(self, *_) -> None:
+        # Not removed when done, from inside: the optimizer is iterating over its hooks.
+        if self.remaining > 0:
+            self.profiler.step()
+            self.remaining -= 1
+            if self.remaining == 0:  # the trace is written now
+                self.profiler.stop()

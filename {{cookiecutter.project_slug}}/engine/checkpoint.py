@@ -20,7 +20,6 @@ import importlib.util
 import math
 import os
 import pickle
-import pickletools
 import re
 import shutil
 import sys
@@ -173,7 +172,15 @@ def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
     tensors, which `load_weights` reads shard by shard."""
     path = Path(path)
     if path.is_dir():
-        return folders(path).read_checkpoint(path, tensors)
+{%- if cookiecutter.fsdp %}
+        return folders().read_checkpoint(path, tensors)
+{%- else %}
+        raise UnusableCheckpoint(
+            f"checkpoint {str(path)!r} is a folder, and this project reads .pt files only (folders of shards "
+            "come with the fsdp answer when it is generated)",
+            "use a .pt checkpoint",
+        )
+{%- endif %}
     state = load_plain(path)
     check_contents(path, state, tensors_inside=True)
     return state
@@ -229,25 +236,17 @@ def load_model_state(path: str | Path) -> tuple[dict, dict]:
 {%- if cookiecutter.fsdp %}
     if Path(path).is_dir():
         config = load_checkpoint(path, tensors=False)["config"]
-        return strip_prefixes(folders(Path(path)).read_model_weights(Path(path))), config
+        return strip_prefixes(folders().load_full(Path(path), keys={"model"})["model"]), config
 {%- endif %}
     ckpt = load_checkpoint(path)
     return strip_prefixes(ckpt["model"]), ckpt["config"]
-
-
-def folders(path: Path):
-    """The module of the part that reads and writes checkpoint folders (its FOLDERS); a
-    project generated without one refuses a folder in one line."""
 {%- if cookiecutter.fsdp %}
-    for module in modules():
-        if hasattr(module, "FOLDERS"):
-            return module.FOLDERS
+
+
+def folders():
+    """engine/sharded.py: the fsdp part's FOLDERS, which reads and writes checkpoint folders."""
+    return next(module.FOLDERS for module in modules() if hasattr(module, "FOLDERS"))
 {%- endif %}
-    raise UnusableCheckpoint(
-        f"checkpoint {str(path)!r} is a folder, and this project reads .pt files only (folders of shards "
-        "come with the fsdp answer when it is generated)",
-        "use a .pt checkpoint",
-    )
 
 
 def load_plain(path: Path) -> dict:
@@ -299,24 +298,31 @@ def file_kind(path: Path) -> str:
     return TORN if any(name.endswith("/data.pkl") for name in names) else "a zip archive torch.save did not write"
 
 
+class RefusedGlobal(pickle.UnpicklingError):
+    """A pickle that names a function or class outside the allowed ones."""
+
+
+class PlainUnpickler(pickle.Unpickler):
+    """Builds plain data and the globals in ALLOWED only: any other (a function a hostile
+    file would call) is refused before it is looked up."""
+
+    ALLOWED: set[str] = set()
+
+    def find_class(self, module: str, name: str):
+        if f"{module}.{name}" not in self.ALLOWED:
+            raise RefusedGlobal(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
 def first_global(path: Path) -> str | None:
-    """The first function or class a plain pickle (protocol 2 or later) names ('posix.system'),
-    found without running it: pickletools only decodes."""
-    strings: list[str] = []
+    """The first function or class a plain pickle names ('posix.system'), found without running it."""
     try:
         with path.open("rb") as f:
-            if f.read(1) != pickle.PROTO:
-                return None
-            f.seek(0)
-            for opcode, arg, _ in pickletools.genops(f):
-                if opcode.name == "GLOBAL":
-                    return arg.replace(" ", ".")
-                if opcode.name == "STACK_GLOBAL" and len(strings) == 2:
-                    return ".".join(strings)
-                if isinstance(arg, str):
-                    strings = [*strings[-1:], arg]
-    except Exception:  # noqa: BLE001  garbage after the first byte, or cut short: nothing named
-        return None
+            PlainUnpickler(f).load()
+    except RefusedGlobal as error:
+        return str(error)
+    except Exception:  # noqa: BLE001, S110  no pickle, or cut short: nothing named
+        pass
     return None
 
 
@@ -350,17 +356,18 @@ def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) ->
 
 
 def load_weights(model: torch.nn.Module, path: Path, ckpt: dict{{ ", optimizer=None" if cookiecutter.fsdp }}{{ ', part: str = "model"' if cookiecutter.ema or cookiecutter.fsdp }}) -> None:
-    """A checkpoint's model weights into the model{% if cookiecutter.ema %} (part="ema": a part's set instead){% endif %}. `ckpt`:
-    what load_checkpoint(path, tensors=False) returned; a file's optimizer state is loaded by
-    TrainState.load_state_dict.{% if cookiecutter.fsdp %} A folder's tensors (and optimizer state, given `optimizer`) each
-    rank reads shard by shard: every rank must call this.{% endif %}"""
+    """A checkpoint's model weights into the model (`ckpt`: what load_checkpoint(path,
+    tensors=False) returned; a file's optimizer state is loaded by TrainState.load_state_dict).{% if cookiecutter.ema %}
+    part="ema": a part's set of weights instead.{% endif %}{% if cookiecutter.fsdp %}
+    A folder's tensors (and optimizer state, given `optimizer`) each rank reads shard by
+    shard: every rank must call this.{% endif %}"""
 {%- if cookiecutter.ema %}
     if not has_part(path, ckpt, part):
         raise CheckpointError(f"{path} has no {part!r} weights (that part was off when it was saved)")
 {%- endif %}
 {%- if cookiecutter.fsdp %}
     if part not in ckpt:
-        return folders(path).load_into(model, path, optimizer, part)
+        return folders().load_sharded(model, path, optimizer, part)
 {%- endif %}
     load_model_weights(model, ckpt[{{ "part" if cookiecutter.ema or cookiecutter.fsdp else '"model"' }}], str(path))
 {%- if cookiecutter.ema %}
@@ -368,7 +375,7 @@ def load_weights(model: torch.nn.Module, path: Path, ckpt: dict{{ ", optimizer=N
 
 def has_part(path: Path, ckpt: dict, part: str) -> bool:
     """Whether a checkpoint file{{ ", or a folder's metadata," if cookiecutter.fsdp }} holds `part`."""
-    return part in ckpt{{ ' if "model" in ckpt else folders(path).holds(path, part)' if cookiecutter.fsdp }}
+    return part in ckpt{{ ' if "model" in ckpt else folders().holds(path, part)' if cookiecutter.fsdp }}
 
 
 def load_part_weights(part, model: torch.nn.Module, path: Path, ckpt: dict) -> None:
@@ -449,7 +456,7 @@ class Checkpointer:
         try:
 {%- if cookiecutter.fsdp %}
             if any(part.saves_sharded for part in state.parts):  # folders on any number of processes: one kind per run
-                return folders(self.directory).save_folder(self, state, {**state.run_state_dict(), **run}, is_best)
+                return folders().save_folder(self, state, {**state.run_state_dict(), **run}, is_best)
 {%- endif %}
             with stop_all_if_any_fails(self.device):
                 if is_main():
@@ -560,34 +567,41 @@ class Checkpointer:
 
 def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
     """The checkpoint to continue from (checkpoint.resume: auto, none or a path); every rank
-    calls this and reads the same files alike.
-
-    auto takes last.pt, or, if it cannot be used (a truncated copy, a full disk), says so
-    and takes the newest step checkpoint that can. A last.pt train.py did not leave (a link
-    elsewhere, or older than a step checkpoint beside it: replaced by hand, or left by a run
-    that went back) is refused: continuing would overwrite and prune the newer checkpoints.
-    """
+    calls this. auto takes last.pt, or, if it cannot be used (a truncated copy, a full disk),
+    says so and takes the newest step checkpoint that can. A last.pt train.py did not leave (a
+    link elsewhere, or older than a step beside it) is refused: continuing from it would
+    overwrite and prune the newer checkpoints."""
     if cfg.checkpoint.resume == "none":
         return None
     if cfg.checkpoint.resume != "auto":
         path = Path(cfg.checkpoint.resume)
         return path, load_checkpoint(path, tensors=False)
     directory = checkpoint_dir(cfg.output_dir)
-    last, steps = directory / "last.pt", step_checkpoints(directory)[::-1]
+    last = directory / "last.pt"
     target = os.readlink(last) if last.is_symlink() else None  # train.py links only to a step-*.dcp folder beside it
     if target is not None and not (STEP_FILE.match(target) and target.endswith(".dcp")):
         raise CheckpointError(
             f"checkpoint {str(last)!r} links to {target!r}, not to a step-*.dcp folder beside it; {CONTINUE_HOW}"
         )
-    ckpt = usable(last) if os.path.lexists(last) else None  # a broken link is there: said, not skipped
-    if ckpt is None:
-        return newest_usable([path for path in steps if not same_file(path, last)], directory)
-    newer = [path for path in steps if step_and_revision(path)[0] > ckpt["step"]]
-    if newer:
+    steps = [path for path in reversed(step_checkpoints(directory)) if not same_file(path, last)]
+    candidates = ([last] if os.path.lexists(last) else []) + steps  # a broken link is there: said, not skipped
+    for path in candidates:
+        try:
+            ckpt = load_checkpoint(path, tensors=False)
+        except CheckpointError as error:
+            if is_main():
+                log(f"warning: {getattr(error, 'problem', error)}; trying an older checkpoint")
+            continue
+        newer = [step for step in steps if step_and_revision(step)[0] > ckpt["step"]] if path == last else []
+        if newer:
+            problem = f"checkpoint {str(last)!r} is step {ckpt['step']}, but {newer[0].name} beside it is newer"
+            raise CheckpointError(f"{problem}; {CONTINUE_HOW}")
+        return path, ckpt
+    if candidates:
         raise CheckpointError(
-            f"checkpoint {str(last)!r} is step {ckpt['step']}, but {newer[0].name} beside it is newer; {CONTINUE_HOW}"
+            f"no readable checkpoint in {str(directory)!r}; move it away to start over, or set checkpoint.resume=PATH"
         )
-    return last, ckpt
+    return None
 
 
 CONTINUE_HOW = "remove it to continue from the newest step checkpoint, or set checkpoint.resume=PATH"
@@ -599,30 +613,6 @@ def same_file(path: Path, other: Path) -> bool:
         return os.path.samefile(path, other)
     except OSError:  # a broken link, or none
         return False
-
-
-def usable(path: Path) -> dict | None:
-    """The checkpoint's run state, or None when it cannot be used, which is said."""
-    try:
-        return load_checkpoint(path, tensors=False)
-    except CheckpointError as error:
-        if is_main():
-            log(f"warning: {getattr(error, 'problem', error)}; trying an older checkpoint")
-        return None
-
-
-def newest_usable(paths: list[Path], directory: Path) -> tuple[Path, dict] | None:
-    """The first of `paths` (newest first) that can be used; None if there are no
-    checkpoints at all, an error if none of them can."""
-    for path in paths:
-        ckpt = usable(path)
-        if ckpt is not None:
-            return path, ckpt
-    if paths or os.path.lexists(directory / "last.pt"):
-        raise CheckpointError(
-            f"no readable checkpoint in {str(directory)!r}; move it away to start over, or set checkpoint.resume=PATH"
-        )
-    return None
 
 
 def config_changes(saved: dict, cfg: Config) -> list[str]:

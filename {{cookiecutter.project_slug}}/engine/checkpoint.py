@@ -1,18 +1,10 @@
-"""Checkpoints: atomic writes, CPU-mapped reads that run no code, auto-resume.
+"""Checkpoints: atomic writes, reads that run no code and refuse what is not ours, auto-resume.
 
-Under <output_dir>/checkpoints/: step-00001234.pt per save (rank 0 writes it), the newest
-`checkpoint.keep_last` kept; last.pt, the newest (what `resume=auto` continues from); best.pt,
-the epoch with the best checkpoint.best_metric. last.pt and best.pt are hard links (copies
-where there are none), so best.pt outlives its step file's pruning.{% if cookiecutter.fsdp %} A part that shards the
-model may save folders of every rank's shards instead (step-00001234.dcp/, its module says
-how); last.pt and best.pt then link to them, and pruning spares them.{% endif %} Every command that
-takes a checkpoint takes either. Files are written to '.*.tmp' and renamed; the next save
-removes such leftovers.
-
-A checkpoint holds plain data only, loaded with `torch.load(weights_only=True)`, which runs
-no code hidden in a pickle; `load_checkpoint` refuses, in one line and before anything uses
-it, a file that is not this project's checkpoint or is of a newer format. Every set of
-weights is checked against the model (names, shapes, dtypes) by `check_shapes`.
+In <output_dir>/checkpoints/: step-00001234.pt per save, the newest checkpoint.keep_last kept;
+last.pt (the newest: what resume=auto takes) and best.pt (the best checkpoint.best_metric) are
+hard links to them, so best.pt outlives its step file.{% if cookiecutter.fsdp %} A sharding part saves folders instead
+(step-00001234.dcp/, engine/sharded.py), which last.pt and best.pt link to.{% endif %} A checkpoint
+holds plain data only, read with torch.load(weights_only=True), which runs no pickled code.
 """
 
 import dataclasses
@@ -43,24 +35,21 @@ from engine.logs import log
 STEP_FILE = re.compile(r"^step-(\d+)(?:\.(\d+))?\.(pt|dcp)$")
 PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")  # added by DDP and torch.compile wrappers
 
-# Raise it when what a checkpoint holds, or means, changes: an older engine then refuses a
-# newer checkpoint in one line instead of misreading it (none: format 1). Format 2: the
-# optimizer's settings in the optim section, states under "states", "weight_sets".
+# Raised when what a checkpoint holds or means changes, so an older engine refuses it instead
+# of misreading it (none: 1). 2: the optim section, "states", "weight_sets".
 CHECKPOINT_FORMAT = 2
 SHAPE = ("batch_size", "accum_steps")  # train's keys that, with the world size, decide the data's order
 # What every checkpoint holds, and of which type (and "model"; a folder's metadata lists its tensors).
 RUN_STATE_TYPES = dict(
     step=int, epoch=int, batches_done=int, config=dict, world_size=int, rng=list, scheduler=dict, scaler=dict
 )
-ZIP_HEAD = b"PK\x03\x04"  # torch.save's files are zip archives
 LEGACY_HEAD = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[:-1]  # torch.save's files before zip
 TORN = "written by torch.save, then cut short or damaged"
 NOT_TORCH = "not a file torch.save writes"
 
 
 class UnusableCheckpoint(CheckpointError):
-    """A checkpoint that cannot be used: `problem` says why (auto-resume warns it before
-    trying an older one), the message adds what to do."""
+    """A checkpoint that cannot be used: `problem` (what auto-resume warns), then what to do."""
 
     def __init__(self, problem: str, remedy: str = "use another checkpoint"):
         super().__init__(f"{problem}; {remedy}")
@@ -110,8 +99,7 @@ def save_checkpoint(state: dict, directory: Path, step: int, keep_last: int, is_
 
 
 def publish(path: Path, write, keep_last: int, is_best: bool) -> Path:
-    """`write()` the checkpoint `path`, point last.pt (and best.pt) at it atomically, prune.
-    A failure is one line: the system's reason (torch.save reports a full disk as RuntimeError)."""
+    """`write()` the checkpoint `path`, point last.pt (and best.pt) at it, prune; or one line."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write()
@@ -128,7 +116,7 @@ def publish(path: Path, write, keep_last: int, is_best: bool) -> Path:
             os.replace(tmp, path.with_name(link))
             fsync_dir(path.parent)
         prune(path.parent, keep_last)
-    except (OSError, RuntimeError) as error:
+    except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
         reason = getattr(error, "strerror", None) or one_line(error)
         raise CheckpointError(f"cannot write {str(path)!r}: {reason}") from None
     return path
@@ -146,8 +134,7 @@ def step_and_revision(path: Path) -> tuple[int, int]:
 
 
 def prune(directory: Path, keep_last: int) -> None:
-    """Remove all but the newest `keep_last` step checkpoints (and the folders last.pt and
-    best.pt link to), and the '.*.tmp' left by a process killed mid-write."""
+    """Remove all but the newest `keep_last` step checkpoints (sparing linked folders) and '.*.tmp' leftovers."""
     linked = {os.readlink(link) for link in (directory / "last.pt", directory / "best.pt") if link.is_symlink()}
     for old in step_checkpoints(directory)[:-keep_last]:
         if old.name not in linked:
@@ -157,8 +144,7 @@ def prune(directory: Path, keep_last: int) -> None:
 
 
 def remove(path: Path) -> None:
-    """Delete a checkpoint file or folder; a folder first loses its checkpoint name, so a
-    deletion cut short leaves a '.*.tmp' folder, never a torn checkpoint."""
+    """Delete a checkpoint; a folder is first renamed '.*.tmp', so a cut deletion leaves no torn checkpoint."""
     if not path.is_dir() or path.is_symlink():
         path.unlink(missing_ok=True)
     else:
@@ -167,9 +153,7 @@ def remove(path: Path) -> None:
 
 
 def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
-    """Read a checkpoint of this project onto the CPU, refusing anything else and anything
-    but plain data. A folder is read whole, unless `tensors` is False: then without its
-    tensors, which `load_weights` reads shard by shard."""
+    """A checkpoint of this project on the CPU, anything else refused in one line{{ " (a folder's tensors\n    only with `tensors`: else load_weights reads them shard by shard)" if cookiecutter.fsdp }}."""
     path = Path(path)
     if path.is_dir():
 {%- if cookiecutter.fsdp %}
@@ -187,8 +171,7 @@ def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
 
 
 def check_contents(path: Path, state: dict, tensors_inside: bool) -> None:
-    """The one check of what a checkpoint holds, before anything uses it: a format this
-    engine reads, this project's keys and types (with `tensors_inside`, the weights too)."""
+    """The one check of what a checkpoint holds, before anything uses it: its format, keys and types."""
     version = state.get("format_version", 1)
     if type(version) is not int or version < 1:
         raise not_ours(path, f"'format_version' is {version!r}")
@@ -231,8 +214,7 @@ def not_ours(path: Path, detail: str) -> UnusableCheckpoint:
 
 
 def load_model_state(path: str | Path) -> tuple[dict, dict]:
-    """A checkpoint's model weights, whole, on the CPU, without wrapper prefixes, and the
-    config that built them (for export){{ "; a folder's optimizer state is not read" if cookiecutter.fsdp }}."""
+    """A checkpoint's model weights, whole, without wrapper prefixes, and the config that built them."""
 {%- if cookiecutter.fsdp %}
     if Path(path).is_dir():
         config = load_checkpoint(path, tensors=False)["config"]
@@ -250,8 +232,7 @@ def folders():
 
 
 def load_plain(path: Path) -> dict:
-    """A torch.save file of a dict of plain data, onto the CPU (on every rank: not piled
-    onto the device the tensors were saved from)."""
+    """A torch.save file of a dict of plain data, onto the CPU (not every rank's onto GPU 0)."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} not found")
     try:
@@ -266,8 +247,7 @@ def load_plain(path: Path) -> dict:
 
 
 def unreadable(path: Path, error: Exception) -> CheckpointError:
-    """Why torch.load failed, in this project's words (torch's suggest weights_only=False
-    for a hostile file, or say "list index out of range" for a file of something else)."""
+    """Why torch.load failed, in our words, not torch's ("list index out of range", "weights_only=False")."""
     try:
         kind = file_kind(path)
         name = refused_global(error) or (first_global(path) if kind == NOT_TORCH else None)
@@ -284,11 +264,10 @@ def unreadable(path: Path, error: Exception) -> CheckpointError:
 
 
 def file_kind(path: Path) -> str:
-    """TORN, NOT_TORCH or what else the file is, from its first bytes and a zip's list of
-    contents: torch.save writes zip archives (before torch 1.6, a pickle after a magic number)."""
+    """TORN, NOT_TORCH or what else the file is, from its first bytes and a zip's contents."""
     with path.open("rb") as f:
         head = f.read(len(LEGACY_HEAD))
-    if not head.startswith(ZIP_HEAD):
+    if not head.startswith(b"PK\x03\x04"):  # a zip archive, as torch.save writes
         return TORN if head == LEGACY_HEAD else NOT_TORCH if head else "an empty file"
     try:
         with zipfile.ZipFile(path) as archive:
@@ -303,8 +282,7 @@ class RefusedGlobal(pickle.UnpicklingError):
 
 
 class PlainUnpickler(pickle.Unpickler):
-    """Builds plain data and the globals in ALLOWED only: any other (a function a hostile
-    file would call) is refused before it is looked up."""
+    """Builds plain data and the globals in ALLOWED only: any other is refused unlooked-up."""
 
     ALLOWED: set[str] = set()
 
@@ -321,21 +299,20 @@ def first_global(path: Path) -> str | None:
             PlainUnpickler(f).load()
     except RefusedGlobal as error:
         return str(error)
-    except Exception:  # noqa: BLE001, S110  no pickle, or cut short: nothing named
+    except Exception:  # noqa: BLE001  no pickle, or cut short: nothing named
         pass
     return None
 
 
 def load_exported_weights(path: Path) -> dict:
-    """The weights export.py writes: model.pt (read as checkpoints are) or model.safetensors;
-    load_model_weights then checks them against the model."""
-    try:
-        weights = safetensors.torch.load_file(path) if path.suffix == ".safetensors" else load_plain(path)
-    except CheckpointError:
-        raise
-    except Exception as error:  # noqa: BLE001  a truncated or foreign file alike
-        problem = f"cannot read {str(path)!r} as safetensors ({one_line(error)})"
-        raise UnusableCheckpoint(problem, "export it again") from None
+    """The weights export.py writes: model.safetensors (tensors only, by format), or model.pt."""
+    if path.suffix == ".safetensors":
+        try:
+            return safetensors.torch.load_file(path)
+        except Exception as error:  # noqa: BLE001  a truncated or foreign file alike
+            problem = f"cannot read {str(path)!r} as safetensors ({one_line(error)})"
+            raise UnusableCheckpoint(problem, "export it again") from None
+    weights = load_plain(path)
     for name, value in weights.items():
         if not isinstance(value, torch.Tensor):
             raise UnusableCheckpoint(f"{str(path)!r} holds {name!r}: {a(type(value))}, not a tensor", "export it again")
@@ -379,8 +356,7 @@ def has_part(path: Path, ckpt: dict, part: str) -> bool:
 
 
 def load_part_weights(part, model: torch.nn.Module, path: Path, ckpt: dict) -> None:
-    """The checkpoint's set of weights of `part` (e.g. the EMA), resharded like the model's;
-    a checkpoint saved without them (the part just turned on) leaves them at the model's."""
+    """`part`'s set of weights (e.g. the EMA); none saved (the part just turned on): the model's."""
     if not has_part(path, ckpt, part.name):
         part.reset_weights()
         if is_main():
@@ -391,8 +367,7 @@ def load_part_weights(part, model: torch.nn.Module, path: Path, ckpt: dict) -> N
 {%- endif %}
 
 
-# Floating-point weights of these dtypes load into a model of any of them, converted (a
-# float16 copy of the weights predicts as float16 weights do); any other dtype must be the model's.
+# Floating-point dtypes load into each other, converted; any other must be the model's.
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -421,9 +396,7 @@ def check_shapes(model: torch.nn.Module, saved: dict, source: str) -> None:
 
 
 class Checkpointer:
-    """The run's checkpoints: when to write them, which is best, and where to resume. Every
-    rank must call its methods: they gather every rank's RNG state, and all ranks stop
-    together if rank 0 cannot write."""
+    """The run's checkpoints: when, which is best, where to resume. Every rank calls its methods."""
 
     def __init__(self, cfg: Config, env: DistEnv, device: torch.device{{ ', provenance: dict | None = None' if cookiecutter.run_record }}):
         self.cfg, self.env, self.device = cfg, env, device
@@ -439,8 +412,7 @@ class Checkpointer:
             self.save(state)
 
     def save(self, state, val_metrics: dict | None = None) -> None:
-        """Write a checkpoint now; with an epoch's `val_metrics`, also best.pt if that
-        epoch has the best checkpoint.best_metric so far."""
+        """Write a checkpoint now; with an epoch's `val_metrics`, best.pt too if they are the best."""
         state.guard.check(state.scaler)  # never save non-finite weights: stop instead
         is_best = val_metrics is not None and self.is_new_best(state, val_metrics)
         run = {
@@ -468,8 +440,7 @@ class Checkpointer:
             ) from None
 
     def last_good(self) -> str:
-        """Which checkpoint a run that stops now leaves (checkpoints are written only after
-        the non-finite check, so the newest one is good)."""
+        """Which checkpoint a run that stops now leaves (all are written after the non-finite check)."""
         steps = step_checkpoints(self.directory)
         if not steps:
             return "no checkpoint was saved before it"
@@ -487,8 +458,7 @@ class Checkpointer:
             )
 
     def is_new_best(self, state, val_metrics: dict) -> bool:
-        """Whether `val_metrics` beat the best so far (then recorded in `state`); alike on
-        every rank, whose metrics are the same."""
+        """Whether `val_metrics` beat the best so far (then recorded in `state`)."""
         self.check_best_metric(val_metrics)
         value, best = val_metrics[self.cfg.checkpoint.best_metric], state.best_metric_value
         if best is not None and not (value > best if self.cfg.checkpoint.best_mode == "max" else value < best):
@@ -497,8 +467,7 @@ class Checkpointer:
         return True
 
     def resume(self, state) -> bool:
-        """Continue the run from its checkpoint, or initialise weights for fine-tuning.
-        Returns True when the RNG state was restored (mid-epoch resume, same layout)."""
+        """Continue from the run's checkpoint, or init_from's weights; True if the RNG state was restored."""
         with stop_all_if_any_fails(self.device):
             found = load_resume_checkpoint(self.cfg)
         seen = all_gather_objects(None if found is None else (str(found[0]), found[1]["step"]))
@@ -541,16 +510,15 @@ class Checkpointer:
         return self.continue_data_position(state, ckpt, run_lr)
 
     def continue_data_position(self, state, ckpt: dict, run_lr: float) -> bool:
-        """Restore this rank's RNG state when the layout is the same; otherwise continue at
-        the same sample of the epoch's permutation, in whole steps. True if restored.
-        `run_lr`: the base lr this run's recipe chose, which the checkpoint's replaced."""
+        """Restore this rank's RNG state if the layout is the same (True); else continue at the
+        same sample of the epoch's permutation. `run_lr`: this run's, which the checkpoint's replaced."""
         saved_lr, train, world_size = state.scheduler.base_lrs[0], self.cfg.train, self.env.world_size
         if is_main() and (not math.isclose(saved_lr, run_lr) or ckpt["config"].get("optim") != plain(self.cfg.optim)):
             log(f"note: the optimizer continues with the checkpoint's lr ({saved_lr:.4g}) and settings")
         if state.batches_done == 0:
             return False
-        saved_train = ckpt["config"].get("train", {})
-        batch, accum = (saved_train.get(key, field_default(TrainConfig.__dataclass_fields__[key])) for key in SHAPE)
+        saved = ckpt["config"].get("train", {})
+        batch, accum = (saved.get(key, field_default(TrainConfig.__dataclass_fields__[key])) for key in SHAPE)
         if (ckpt["world_size"], batch, accum) == (world_size, train.batch_size, train.accum_steps):
             restore_rng_state(ckpt["rng"][self.env.rank])
             return True
@@ -566,11 +534,9 @@ class Checkpointer:
 
 
 def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
-    """The checkpoint to continue from (checkpoint.resume: auto, none or a path); every rank
-    calls this. auto takes last.pt, or, if it cannot be used (a truncated copy, a full disk),
-    says so and takes the newest step checkpoint that can. A last.pt train.py did not leave (a
-    link elsewhere, or older than a step beside it) is refused: continuing from it would
-    overwrite and prune the newer checkpoints."""
+    """The checkpoint to continue from (checkpoint.resume: auto, none or a path). auto: last.pt,
+    else (said) the newest usable step; a last.pt train.py did not leave (a link elsewhere, older
+    than a step beside it) is refused, as continuing would overwrite the newer checkpoints."""
     if cfg.checkpoint.resume == "none":
         return None
     if cfg.checkpoint.resume != "auto":
@@ -616,12 +582,9 @@ def same_file(path: Path, other: Path) -> bool:
 
 
 def config_changes(saved: dict, cfg: Config) -> list[str]:
-    """'section.key: old -> new' for each setting that changes what the weights mean: the
-    seed and the task's data and model sections, but for the keys each section lists in
-    `may_change_on_resume` (e.g. where the files are){% if cookiecutter.freezing %}; and the sections that say
-    `fixed_on_resume` (e.g. freeze, which shapes the optimizer){% endif %}. A key the checkpoint
-    lacks (the schema grew) counts as its default, which keeps the old behaviour; one the
-    schema no longer has is ignored. Keys set in both come first, in schema order."""
+    """'section.key: old -> new' for each setting that changes what the weights mean: the seed,
+    data and model{% if cookiecutter.freezing %} and `fixed_on_resume` sections (e.g. freeze){% endif %}, but their `may_change_on_resume` keys.
+    A key the checkpoint lacks counts as its default (which keeps the old behaviour), after the others."""
 {%- if cookiecutter.freezing %}
     fixed = [name for name, section in cfg.sections.items() if getattr(section, "fixed_on_resume", False)]
 {%- endif %}
@@ -632,9 +595,7 @@ def config_changes(saved: dict, cfg: Config) -> list[str]:
 
 
 def section_changes(prefix: str, saved: dict, section, only=None, new_key=False) -> list[tuple[bool, str]]:
-    """(new key, 'name: old -> new') for the changes of a config section (a dataclass) from
-    `saved`, its values as the checkpoint holds them (a nested section key by key); `only`:
-    just these fields."""
+    """(new key?, 'name: old -> new') for a config section's (a dataclass's) changes from `saved`."""
     changes = []
     for f in dataclasses.fields(section):
         if f.name in getattr(section, "may_change_on_resume", ()) or (only is not None and f.name not in only):

@@ -1,21 +1,18 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP), the FSDP part's FOLDERS:
-every rank writes and reads only its own shards of the model, the optimizer and the parts'
-weights, and DCP reshards on load (another number of processes, DDP or one process).
+"""Sharded checkpoints with torch.distributed.checkpoint (DCP), the FSDP part's FOLDERS: every
+rank writes and reads only its own shards, and DCP reshards on load (any number of processes).
 
 A save is a folder, step-00001234.dcp/: every rank writes its shards into '.step-N.dcp.tmp',
-rank 0 adds .metadata and run_state.pt (everything but those tensors) and renames it only
-when all of it is on disk. A folder is never replaced (a step saved again gets step-N.1.dcp);
-last.pt and best.pt are relative symbolic links to one, which pruning spares.
-
-Reading runs no code from the files: DCP's own reader unpickles `.metadata` with plain
-`pickle.load` and its planner loads non-tensor items (the optimizer's param_groups) with
-`torch.load(weights_only=False)`. `SafeReader` allows DCP's metadata classes only, and reads
-every non-tensor item weights-only before any planner sees it.
+rank 0 adds .metadata and run_state.pt (the rest) and renames it once all is on disk; a folder
+is never replaced (a step saved again: step-N.1.dcp). Reading runs no code from the files:
+DCP's reader unpickles `.metadata` with plain `pickle.load` and non-tensor items with
+`torch.load(weights_only=False)`; `SafeReader` allows DCP's metadata classes only, and reads
+every non-tensor item weights-only first.
 """
 
 import errno
 import io
 import os
+import shutil
 from pathlib import Path
 
 import torch
@@ -32,25 +29,11 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
-from engine.checkpoint import (
-    PlainUnpickler,
-    RefusedGlobal,
-    UnusableCheckpoint,
-    atomic_write,
-    check_contents,
-    check_shapes,
-    fsync_dir,
-    load_plain,
-    not_ours,
-    one_line,
-    publish,
-    refused_global,
-    remove,
-    torch_lacks,
-    written_by_newer_torch,
-)
+from engine import checkpoint
+from engine.checkpoint import UnusableCheckpoint, not_ours
 from engine.distributed import is_main, stop_all_if_any_fails
 from engine.errors import CheckpointError
+from engine.files import atomic_write, fsync_dir
 
 METADATA_FILE = ".metadata"
 RUN_STATE = "run_state.pt"  # in a checkpoint folder: all but the model's, the optimizer's and the parts' tensors
@@ -67,29 +50,28 @@ METADATA_GLOBALS = {
     "pathlib.PurePosixPath",
     "collections.OrderedDict",
 }
-TORCH_CONSTANTS = (torch.dtype, torch.layout, torch.memory_format)
 
 
-class MetadataUnpickler(PlainUnpickler):
+class MetadataUnpickler(checkpoint.PlainUnpickler):
     """Builds DCP's metadata objects and torch's dtypes (without importing a submodule) only."""
 
     ALLOWED = METADATA_GLOBALS
 
     def find_class(self, module: str, name: str):
         constant = vars(torch).get(name) if module == "torch" else None
-        return constant if isinstance(constant, TORCH_CONSTANTS) else super().find_class(module, name)
+        if isinstance(constant, torch.dtype | torch.layout | torch.memory_format):
+            return constant
+        return super().find_class(module, name)
 
 
-def read_metadata(path: str | Path) -> Metadata:
-    """A DCP metadata file, unpickled safely, whose shard files are all there and whole;
-    CheckpointError (one line) otherwise."""
-    path = Path(path)
+def read_metadata(path: Path) -> Metadata:
+    """A DCP metadata file, unpickled safely, whose shard files are all there and whole; else one line."""
     try:
         with path.open("rb") as f:
             metadata = MetadataUnpickler(f).load()
-    except RefusedGlobal as error:
-        if torch_lacks(str(error)):
-            raise written_by_newer_torch(path, str(error)) from None
+    except checkpoint.RefusedGlobal as error:
+        if checkpoint.torch_lacks(str(error)):
+            raise checkpoint.written_by_newer_torch(path, str(error)) from None
         raise UnusableCheckpoint(f"checkpoint {str(path)!r} holds code ({error})", "refused") from None
     except FileNotFoundError:
         raise UnusableCheckpoint(f"checkpoint {str(path.parent)!r} is incomplete: it has no {path.name}") from None
@@ -136,7 +118,7 @@ class SafeReader(FileSystemReader):
     """DCP's file system reader that runs no code from the checkpoint (module docstring)."""
 
     def read_metadata(self, *args, **kwargs) -> Metadata:
-        metadata = read_metadata(self._get_metadata_path(kwargs.get("rank")))
+        metadata = read_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
         metadata.storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
         metadata.storage_meta.load_id = self.load_id
         return metadata
@@ -161,7 +143,7 @@ class WeightsOnlyBytes:
         except Exception as error:  # noqa: BLE001  the unpickler's refusal, or a torn item
             raise CheckpointError(
                 f"checkpoint {self.path!r} holds code or unreadable data in {read_item.dest_index.fqn!r}; "
-                f"refused ({refused_global(error) or one_line(error)})"
+                f"refused ({checkpoint.refused_global(error) or checkpoint.one_line(error)})"
             ) from None
         clean = io.BytesIO()
         torch.save(plain, clean)
@@ -180,18 +162,10 @@ def save_sharded(state_dict: dict, directory: Path, shown: Path) -> None:
     try:
         dcp.save(state_dict, storage_writer=FileSystemWriter(str(directory), sync_files=True))
     except CheckpointException as error:
-        failure = first_failure(error)
-        if "unexpected pos" in str(failure) and disk_full(directory.parent):
-            failure = os.strerror(errno.ENOSPC)  # torch's writer saw a write cut short by the full disk
-        raise CheckpointError(f"cannot write {str(shown)!r}: {failure}") from None
-
-
-def disk_full(directory: Path) -> bool:
-    try:
-        stats = os.statvfs(directory)
-    except OSError:
-        return False
-    return stats.f_bavail * stats.f_frsize < 64 * 2**10
+        failure = failed(error, f"cannot write {str(shown)!r}")
+        if "unexpected pos" in str(failure) and shutil.disk_usage(directory.parent).free < 2**16:  # a full disk cut it
+            failure = CheckpointError(f"cannot write {str(shown)!r}: {os.strerror(errno.ENOSPC)}")
+        raise failure from None
 
 
 def load_sharded(
@@ -206,14 +180,14 @@ def load_sharded(
         for key, value in metadata.state_dict_metadata.items()
         if key.startswith(f"{part}.") and hasattr(value, "size")
     }
-    check_shapes(model, shapes, str(directory))
+    checkpoint.check_shapes(model, shapes, str(directory))
     state_dict = {part: get_model_state_dict(model)}
     if optimizer is not None:  # its entry initialises the optimizer's state, to be filled in place
         state_dict["optimizer"] = get_optimizer_state_dict(model, optimizer)
     try:
         dcp.load(state_dict, storage_reader=SafeReader(str(directory)))
     except CheckpointException as error:
-        raise load_error(directory, error) from None
+        raise failed(error, f"checkpoint {str(directory)!r} cannot be loaded") from None
     set_model_state_dict(model, state_dict[part])
     if optimizer is not None:
         set_optimizer_state_dict(model, optimizer, state_dict["optimizer"])
@@ -225,34 +199,21 @@ def load_full(directory: Path, keys: set[str] | None = None) -> dict:
     read_metadata(directory / METADATA_FILE)  # DCP would take a refusal for a missing file and go on
     state_dict: dict = {}
     try:
-        _load_state_dict(
-            state_dict,
-            storage_reader=SafeReader(str(directory)),
-            planner=_EmptyStateDictLoadPlanner(keys=keys),
-            no_dist=True,
-        )
+        planner = _EmptyStateDictLoadPlanner(keys=keys)  # takes what the metadata lists
+        _load_state_dict(state_dict, storage_reader=SafeReader(str(directory)), planner=planner, no_dist=True)
     except CheckpointException as error:
-        raise load_error(directory, error) from None
+        raise failed(error, f"checkpoint {str(directory)!r} cannot be loaded") from None
     return state_dict
 
 
-def load_error(directory: Path, error: CheckpointException) -> CheckpointError:
-    """Our own refusal as it was raised, or the first rank's reason in one line."""
-    failure = first_failure(error)
+def failed(error: CheckpointException, what: str) -> CheckpointError:
+    """The first rank's failure of those DCP collected: our own refusal as raised, else `what`
+    and one line (an OSError's strerror such as "No space left on device")."""
+    failure = next(iter((getattr(error, "failures", None) or {}).values()), error)
+    failure = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
     if isinstance(failure, CheckpointError):
         return failure
-    return CheckpointError(f"checkpoint {str(directory)!r} cannot be loaded: {failure}")
-
-
-def first_failure(error: CheckpointException) -> str | CheckpointError:
-    """The first rank's reason from DCP's collected failures: our own CheckpointError, or
-    one line (an OSError's strerror such as "No space left on device")."""
-    for failure in (getattr(error, "failures", None) or {}).values():
-        failure = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
-        if isinstance(failure, CheckpointError):
-            return failure
-        return getattr(failure, "strerror", None) or one_line(failure)
-    return one_line(error)
+    return CheckpointError(f"{what}: {getattr(failure, 'strerror', None) or checkpoint.one_line(failure)}")
 
 
 def read_checkpoint(path: Path, tensors: bool) -> dict:
@@ -263,8 +224,8 @@ def read_checkpoint(path: Path, tensors: bool) -> dict:
     metadata = read_metadata(path / METADATA_FILE)  # refuses a hostile or torn folder before anything else is read
     if not (path / RUN_STATE).is_file():
         raise UnusableCheckpoint(f"checkpoint {str(path)!r} is incomplete: it has no {RUN_STATE}")
-    state = load_plain(path / RUN_STATE)
-    check_contents(path, state, tensors_inside=False)
+    state = checkpoint.load_plain(path / RUN_STATE)
+    checkpoint.check_contents(path, state, tensors_inside=False)
     weights = {key: value for key, value in metadata.state_dict_metadata.items() if key.startswith("model.")}
     if not weights:
         raise not_ours(path, "no 'model' in its .metadata")
@@ -288,7 +249,7 @@ def save_folder(checkpointer, state, run_state: dict, is_best: bool) -> None:
     with stop_all_if_any_fails(checkpointer.device):
         if is_main():
             directory.mkdir(parents=True, exist_ok=True)
-            remove(tmp)  # left by a save killed midway
+            checkpoint.remove(tmp)  # left by a save killed midway
     shards = sharded_state_dict(state.model, state.optimizer)
 {%- if cookiecutter.ema %}
     shards |= {part.name: part.weights() for part in state.parts if part.holds_weights}
@@ -301,10 +262,10 @@ def save_folder(checkpointer, state, run_state: dict, is_best: bool) -> None:
                 while os.path.lexists(final):  # saved at this step before: a published folder is never replaced
                     revision += 1
                     final = directory / f"step-{state.step:08d}.{revision}.dcp"
-                publish(final, lambda: commit_folder(tmp, final, run_state), keep_last, is_best)
+                checkpoint.publish(final, lambda: commit_folder(tmp, final, run_state), keep_last, is_best)
     except BaseException:
         if is_main():
-            remove(tmp)  # every rank has stopped writing into it
+            checkpoint.remove(tmp)  # every rank has stopped writing into it
         raise
 
 

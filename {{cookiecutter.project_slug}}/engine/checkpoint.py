@@ -67,7 +67,7 @@ def written_by_newer_torch(path: Path, name: str) -> UnusableCheckpoint:
 def torch_lacks(name: str) -> bool:
     """Whether `name` ('torch.x.Y') is torch's but not this torch's; nothing is imported."""
     module, _, attribute = name.rpartition(".")
-    if module != "torch" and not module.startswith("torch."):
+    if module.partition(".")[0] != "torch":
         return False
     if module in sys.modules:
         return attribute not in vars(sys.modules[module])
@@ -549,7 +549,7 @@ def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
         raise CheckpointError(
             f"checkpoint {str(last)!r} links to {target!r}, not to a step-*.dcp folder beside it; {CONTINUE_HOW}"
         )
-    steps = [path for path in reversed(step_checkpoints(directory)) if not same_file(path, last)]
+    steps = [p for p in reversed(step_checkpoints(directory)) if not (last.exists() and os.path.samefile(p, last))]
     candidates = ([last] if os.path.lexists(last) else []) + steps  # a broken link is there: said, not skipped
     for path in candidates:
         try:
@@ -571,14 +571,6 @@ def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
 
 
 CONTINUE_HOW = "remove it to continue from the newest step checkpoint, or set checkpoint.resume=PATH"
-
-
-def same_file(path: Path, other: Path) -> bool:
-    """Whether two names are one checkpoint (a hard link, or a link to a folder)."""
-    try:
-        return os.path.samefile(path, other)
-    except OSError:  # a broken link, or none
-        return False
 
 
 def config_changes(saved: dict, cfg: Config) -> list[str]:

@@ -1,11 +1,7 @@
 """Writing files without ever leaving a torn one, and naming the file when the disk refuses.
 
-A file is replaced whole: written beside its name, then renamed over it (`atomic_write`).
-An output a user names (--out) is created, never replaced (`create_whole`): written to a
-temporary of a name no other run can know, then hard-linked to its name, which fails if
-anything is there by then (another run's file, or a planted link). A row is appended with
-one write, cut back if that fails part-way (a full disk), so the file holds whole rows; a
-row torn anyway (a power loss) is moved aside when the file is next opened.
+A file is replaced whole (`atomic_write`); an output a user names is created, never replaced
+(`create_whole`); a row is appended whole, and a torn one moved aside (`rewind_json_lines`).
 """
 
 import json
@@ -25,8 +21,12 @@ def not_written(path: Path, error: OSError, instead: str = CONTINUE_ELSEWHERE) -
 
 
 def append_json_line(path: Path, row: dict) -> None:
-    """Append `row` as one JSON line; a failure leaves the file as it was and names it."""
-    data = (json.dumps(row) + "\n").encode()
+    append_whole(path, json.dumps(row) + "\n")
+
+
+def append_whole(path: Path, text: str) -> None:
+    """Append `text` with one write; a failure leaves the file as it was and names it."""
+    data = text.encode()
     try:
         with path.open("ab", buffering=0) as f:
             size = f.tell()
@@ -50,8 +50,7 @@ def write_text_whole(path: Path, text: str) -> None:
 
 
 def rewind_json_lines(path: Path, keep, set_aside: Path) -> int:
-    """Keep the rows for which `keep(row)` is true; move the others, and any line that is no
-    whole JSON row (torn or edited), to the end of `set_aside`. Returns how many moved."""
+    """Keep the rows for which `keep(row)` is true; move the others and any torn line to `set_aside`."""
     kept, moved = [], []
     for line in path.read_text(errors="replace").splitlines() if path.exists() else []:
         try:
@@ -61,11 +60,7 @@ def rewind_json_lines(path: Path, keep, set_aside: Path) -> int:
         (kept if isinstance(row, dict) and keep(row) else moved).append(line)
     if not moved:
         return 0
-    try:
-        with set_aside.open("a") as f:  # first: a failure here leaves the original intact
-            f.write("".join(line + "\n" for line in moved))
-    except OSError as error:
-        raise not_written(set_aside, error) from None
+    append_whole(set_aside, "".join(line + "\n" for line in moved))  # first: a failure leaves the original intact
     write_text_whole(path, "".join(line + "\n" for line in kept))
     return len(moved)
 
@@ -85,25 +80,24 @@ def write_new_file(path: Path, write) -> None:
 def create_whole(path: Path, write) -> None:
     """Create `path` holding what `write(file)` writes, complete or not at all, never
     following or replacing what is there by then (FileExistsError)."""
-    tmp = write_temporary(path.parent, path.name, write)
+    tmp, made = write_temporary(path.parent, path.name, write), False
     try:
         try:
             os.link(tmp, path)
-            copy = None
+            made = True
         except FileExistsError:  # anything there is left alone
             raise
         except OSError:  # a file system without hard links: created exclusively, then copied
-            copy = open_new(path, "wb")
-        try:
-            if copy is not None:
-                with copy, tmp.open("rb") as source:
-                    shutil.copyfileobj(source, copy)
-                    copy.flush()
-                    os.fsync(copy.fileno())
-            fsync_dir(path.parent)
-        except BaseException:  # not known to last: not made
+            with tmp.open("rb") as source, open_new(path, "wb") as copy:
+                made = True
+                shutil.copyfileobj(source, copy)
+                copy.flush()
+                os.fsync(copy.fileno())
+        fsync_dir(path.parent)
+    except BaseException:
+        if made:  # not known to last: not made
             path.unlink(missing_ok=True)
-            raise
+        raise
     finally:
         tmp.unlink(missing_ok=True)
 
@@ -121,8 +115,7 @@ def private_folder(beside: Path) -> Path:
 
 
 def atomic_write(directory: Path, name: str, write) -> None:
-    """Write via a temporary file, rename it into place, fsync the folder: a crash at any
-    point leaves the old file or the complete new one."""
+    """Replace `directory / name` with what `write(file)` writes: a crash leaves the old or the new file."""
     tmp = write_temporary(directory, name, write)
     try:
         os.replace(tmp, directory / name)
@@ -132,19 +125,16 @@ def atomic_write(directory: Path, name: str, write) -> None:
 
 
 def write_temporary(directory: Path, name: str, write) -> Path:
-    """A new, fsynced '.<name>.*.tmp' file (nothing takes it for a checkpoint) holding what
-    `write(file)` writes; its name is random and it is created exclusively, so no link
-    planted at a name it could have is followed."""
+    """A new, fsynced '.<name>.*.tmp' file holding what `write(file)` writes; its random name,
+    created exclusively, follows no planted link."""
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             recorder = WriteErrors(f)
             try:
                 write(recorder)
-            except RuntimeError:
-                if recorder.error is None:
-                    raise
-                raise recorder.error from None  # e.g. "No space left on device", not torch's "unexpected pos"
+            except RuntimeError as error:  # e.g. "No space left on device", not torch's "unexpected pos"
+                raise (recorder.error or error) from None
             f.flush()
             os.fsync(f.fileno())
     except BaseException:
@@ -154,9 +144,8 @@ def write_temporary(directory: Path, name: str, write) -> Path:
 
 
 class WriteErrors:
-    """A file that keeps the first error of its writes: torch.save reports a failed write
-    (a full disk) only as "unexpected pos N vs M", and turns a Ctrl-C that lands in a
-    write into the same RuntimeError, which would then blame the disk."""
+    """A file that keeps its writes' first error: torch.save turns a full disk, and a Ctrl-C in a
+    write, into RuntimeError("unexpected pos N vs M")."""
 
     def __init__(self, file):
         self.file, self.error = file, None

@@ -575,8 +575,8 @@ CONTINUE_HOW = "remove it to continue from the newest step checkpoint, or set ch
 
 def config_changes(saved: dict, cfg: Config) -> list[str]:
     """'section.key: old -> new' for each setting that changes what the weights mean: the seed,
-    data and model{% if cookiecutter.freezing %} and `fixed_on_resume` sections (e.g. freeze){% endif %}, but their `may_change_on_resume` keys.
-    A key the checkpoint lacks counts as its default (which keeps the old behaviour), after the others."""
+    data, model{% if cookiecutter.freezing %} and `fixed_on_resume` sections (e.g. freeze){% endif %}, but their `may_change_on_resume`
+    keys. A key the checkpoint lacks counts as its default (the old behaviour), after the others."""
 {%- if cookiecutter.freezing %}
     fixed = [name for name, section in cfg.sections.items() if getattr(section, "fixed_on_resume", False)]
 {%- endif %}

@@ -1,27 +1,10 @@
-"""Checkpoints: atomic writes, CPU-mapped reads that run no code, auto-resume.
+"""Checkpoints: atomic writes, reads that run no code and refuse what is not ours, auto-resume.
 
-Layout under <output_dir>/checkpoints/:
-  step-00001234.pt   one file per save, written by rank 0
-  last.pt            the newest complete checkpoint (what `resume=auto` continues from)
-  best.pt            the epoch with the best checkpoint.best_metric so far
-The newest `checkpoint.keep_last` step checkpoints are kept.{% if cookiecutter.fsdp %} A part that shards the
-model may save folders of every rank's shards instead (step-00001234.dcp/, its module
-says how); last.pt and best.pt are then relative links to them, which pruning spares.{% endif %}
-
-last.pt and best.pt are hard links (copies where the file system has none): best.pt
-outlives the pruning of its step file. Every command that takes a checkpoint (resume,
-init_from, evaluate.py, export.py) takes either.
-
-Atomic: a file is written to a '.*.tmp' file, fsynced and renamed. Names starting with
-'.' are never taken for checkpoints, and the next save removes them.
-
-A checkpoint holds plain data only (tensors, numbers, strings, lists, dicts), so it loads
-with `torch.load(weights_only=True)`, which refuses to run code hidden in a pickle.
-Every load goes through `load_checkpoint`, which checks what the checkpoint holds
-(`check_contents`): a file that is not a checkpoint of this project, or one of a newer
-format, is refused in one line before anything uses it. The weights export.py writes load
-through `load_exported_weights` (model.pt, model.safetensors); every set of weights is
-checked against the model, names, shapes and dtypes, by `check_shapes`.
+In <output_dir>/checkpoints/: step-00001234.pt per save, the newest checkpoint.keep_last kept;
+last.pt (the newest: what resume=auto takes) and best.pt (the best checkpoint.best_metric) are
+hard links to them, so best.pt outlives its step file.{% if cookiecutter.fsdp %} A sharding part saves folders instead
+(step-00001234.dcp/, engine/sharded.py), which last.pt and best.pt link to.{% endif %} A checkpoint
+holds plain data only, read with torch.load(weights_only=True), which runs no pickled code.
 """
 
 import dataclasses
@@ -29,7 +12,6 @@ import importlib.util
 import math
 import os
 import pickle
-import pickletools
 import re
 import shutil
 import sys
@@ -51,35 +33,23 @@ from engine.logs import log
 
 # step-00001234.pt, step-00001234.dcp, and a folder saved again at its step, step-00001234.1.dcp
 STEP_FILE = re.compile(r"^step-(\d+)(?:\.(\d+))?\.(pt|dcp)$")
-LINKS = ("last.pt", "best.pt")
-PREFIXES = ("module.", "_orig_mod.")  # added by DDP and torch.compile wrappers
+PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")  # added by DDP and torch.compile wrappers
 
-# Written in every checkpoint as "format_version"; raise it when what a checkpoint holds,
-# or what it means, changes, so that an older engine refuses a newer checkpoint in one line
-# instead of misreading it. A checkpoint without it was written in format 1.
-# Format 2: the optimizer's settings in the config's optim section (train.lr and the like
-# before), registered states under "states", and "weight_sets" naming the parts' weights.
+# Raised when what a checkpoint holds or means changes, so an older engine refuses it instead
+# of misreading it (none: 1). 2: the optim section, "states", "weight_sets".
 CHECKPOINT_FORMAT = 2
 SHAPE = ("batch_size", "accum_steps")  # train's keys that, with the world size, decide the data's order
-# What every checkpoint of this project holds, and of which type ("model", a dict of
-# tensors, too); a folder's run state holds all but the tensors, which its metadata lists.
-RUN_STATE_TYPES = {
-    "step": int,
-    "epoch": int,
-    "batches_done": int,
-    "config": dict,
-    "world_size": int,
-    "rng": list,
-    "scheduler": dict,
-    "scaler": dict,
-}
-ZIP_HEAD = b"PK\x03\x04"  # torch.save's files are zip archives
+# What every checkpoint holds, and of which type (and "model"; a folder's metadata lists its tensors).
+RUN_STATE_TYPES = dict(
+    step=int, epoch=int, batches_done=int, config=dict, world_size=int, rng=list, scheduler=dict, scaler=dict
+)
 LEGACY_HEAD = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[:-1]  # torch.save's files before zip
+TORN = "written by torch.save, then cut short or damaged"
+NOT_TORCH = "not a file torch.save writes"
 
 
 class UnusableCheckpoint(CheckpointError):
-    """A checkpoint that cannot be used: `problem` says why (what auto-resume warns before
-    it tries an older one), the message adds what to do."""
+    """A checkpoint that cannot be used: `problem` (what auto-resume warns), then what to do."""
 
     def __init__(self, problem: str, remedy: str = "use another checkpoint"):
         super().__init__(f"{problem}; {remedy}")
@@ -87,22 +57,20 @@ class UnusableCheckpoint(CheckpointError):
 
 
 def written_by_newer_torch(path: Path, name: str) -> UnusableCheckpoint:
-    lacks = f"it names {name}, which torch {torch.__version__} lacks"
     return UnusableCheckpoint(
-        f"checkpoint {str(path)!r} was written by a newer torch: {lacks}",
+        f"checkpoint {str(path)!r} was written by a newer torch: it names {name}, which torch {torch.__version__} "
+        "lacks",
         "load it with that torch, or re-export it there",
     )
 
 
 def torch_lacks(name: str) -> bool:
-    """Whether `name` ('torch.x.Y') is torch's but not in this torch: a newer one wrote it.
-    Only torch's own modules are looked at, and none is imported."""
+    """Whether `name` ('torch.x.Y') is torch's but not this torch's; nothing is imported."""
     module, _, attribute = name.rpartition(".")
-    if module != "torch" and not module.startswith("torch."):
+    if module.partition(".")[0] != "torch":
         return False
-    loaded = sys.modules.get(module)
-    if loaded is not None:
-        return attribute not in vars(loaded)
+    if module in sys.modules:
+        return attribute not in vars(sys.modules[module])
     try:
         return importlib.util.find_spec(module) is None
     except ImportError:  # a parent package this torch lacks
@@ -127,41 +95,36 @@ def checkpoint_dir(output_dir: str | Path) -> Path:
 def save_checkpoint(state: dict, directory: Path, step: int, keep_last: int, is_best: bool) -> Path:
     """Write `state` as step-<step>.pt, then point last.pt (and best.pt) at it. Rank 0 only."""
     path = directory / f"step-{step:08d}.pt"
+    return publish(path, lambda: atomic_write(directory, path.name, lambda f: torch.save(state, f)), keep_last, is_best)
+
+
+def publish(path: Path, write, keep_last: int, is_best: bool) -> Path:
+    """`write()` the checkpoint `path`, point last.pt (and best.pt) at it, prune; or one line."""
     try:
-        directory.mkdir(parents=True, exist_ok=True)
-        atomic_write(directory, path.name, lambda f: torch.save(state, f))
-        publish(path, directory / "last.pt")
-        if is_best:
-            publish(path, directory / "best.pt")
-        prune(directory, keep_last)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write()
+        for link in ["last.pt", "best.pt"][: 1 + is_best]:
+            tmp = path.with_name(f".{link}.link.tmp")
+            tmp.unlink(missing_ok=True)
+            if path.is_dir():
+                os.symlink(path.name, tmp)  # relative: the checkpoints folder may be moved or mounted elsewhere
+            else:
+                try:
+                    os.link(path, tmp)
+                except OSError:  # file systems without hard links
+                    shutil.copyfile(path, tmp)
+            os.replace(tmp, path.with_name(link))
+            fsync_dir(path.parent)
+        prune(path.parent, keep_last)
     except (OSError, RuntimeError) as error:  # torch.save reports a full disk as RuntimeError
-        raise write_failed(path, error) from None
+        reason = getattr(error, "strerror", None) or one_line(error)
+        raise CheckpointError(f"cannot write {str(path)!r}: {reason}") from None
     return path
-
-
-def write_failed(path: Path, error: OSError | RuntimeError) -> CheckpointError:
-    """One line for a checkpoint that could not be written: the system's reason (e.g. "No
-    space left on device"), else the error's first line."""
-    return CheckpointError(f"cannot write {str(path)!r}: {getattr(error, 'strerror', None) or one_line(error)}")
-
-
-def publish(source: Path, target: Path) -> None:
-    """Make `target` a complete copy of `source`, atomically (a hard link where possible)."""
-    tmp = target.with_name(f".{target.name}.link.tmp")
-    tmp.unlink(missing_ok=True)
-    try:
-        os.link(source, tmp)
-    except OSError:  # file systems without hard links
-        shutil.copyfile(source, tmp)
-    os.replace(tmp, target)
-    fsync_dir(target.parent)
 
 
 def step_checkpoints(directory: Path) -> list[Path]:
     """step-*.pt files and step-*.dcp folders, oldest first."""
-    if not directory.is_dir():
-        return []
-    found = [p for p in directory.iterdir() if STEP_FILE.match(p.name)]
+    found = [p for p in directory.iterdir() if STEP_FILE.match(p.name)] if directory.is_dir() else []
     return sorted(found, key=step_and_revision)
 
 
@@ -171,35 +134,30 @@ def step_and_revision(path: Path) -> tuple[int, int]:
 
 
 def prune(directory: Path, keep_last: int) -> None:
-    linked = {os.readlink(directory / name) for name in LINKS if (directory / name).is_symlink()}
+    """Remove all but the newest `keep_last` step checkpoints (sparing linked folders) and '.*.tmp' leftovers."""
+    linked = {os.readlink(link) for link in (directory / "last.pt", directory / "best.pt") if link.is_symlink()}
     for old in step_checkpoints(directory)[:-keep_last]:
-        if old.name not in linked:  # last.pt or best.pt points at it
+        if old.name not in linked:
             remove(old)
-    for stale in directory.glob(".*.tmp"):  # left by a process killed mid-write
+    for stale in directory.glob(".*.tmp"):
         remove(stale)
 
 
 def remove(path: Path) -> None:
-    """Delete a checkpoint file or folder. A folder first loses its checkpoint name, so a
-    deletion cut short leaves a '.*.tmp' folder, never a torn checkpoint."""
-    if path.is_dir() and not path.is_symlink():
-        doomed = path if path.name.endswith(".tmp") else path.with_name(f".{path.name}.del.tmp")
-        if doomed != path:
-            os.replace(path, doomed)
-        shutil.rmtree(doomed, ignore_errors=True)
-    else:
+    """Delete a checkpoint; a folder is first renamed '.*.tmp', so a cut deletion leaves no torn checkpoint."""
+    if not path.is_dir() or path.is_symlink():
         path.unlink(missing_ok=True)
+    else:
+        doomed = path if path.name.endswith(".tmp") else path.rename(path.with_name(f".{path.name}.del.tmp"))
+        shutil.rmtree(doomed, ignore_errors=True)
 
 
 def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
-    """Read a checkpoint of this project onto the CPU, refusing anything but plain data
-    and anything else than such a checkpoint. A folder is read whole by this process,
-    unless `tensors` is False: then without the tensors, which `load_weights` reads
-    shard by shard."""
+    """A checkpoint of this project on the CPU, anything else refused in one line{{ " (a folder's tensors\n    only with `tensors`: else load_weights reads them shard by shard)" if cookiecutter.fsdp }}."""
     path = Path(path)
     if path.is_dir():
 {%- if cookiecutter.fsdp %}
-        return folders(path).read_checkpoint(path, tensors)
+        return folders().read_checkpoint(path, tensors)
 {%- else %}
         raise UnusableCheckpoint(
             f"checkpoint {str(path)!r} is a folder, and this project reads .pt files only (folders of shards "
@@ -213,9 +171,7 @@ def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
 
 
 def check_contents(path: Path, state: dict, tensors_inside: bool) -> None:
-    """The one check of what a checkpoint holds, before anything uses it: a format this
-    engine reads, and this project's keys with their types (with `tensors_inside`, a
-    file's "model" and "optimizer" too)."""
+    """The one check of what a checkpoint holds, before anything uses it: its format, keys and types."""
     version = state.get("format_version", 1)
     if type(version) is not int or version < 1:
         raise not_ours(path, f"'format_version' is {version!r}")
@@ -225,34 +181,25 @@ def check_contents(path: Path, state: dict, tensors_inside: bool) -> None:
             f"this one reads up to {CHECKPOINT_FORMAT})",
             "use that version",
         )
-    expected = {**RUN_STATE_TYPES, **({"optimizer": dict} if tensors_inside else {})}
-    for key, kind in expected.items():
+    for key, kind in {**RUN_STATE_TYPES, **({"optimizer": dict, "model": dict} if tensors_inside else {})}.items():
         if key not in state:
             raise not_ours(path, f"no {key!r}")
-        if not isinstance(state[key], kind) or isinstance(state[key], bool):
+        if key != "model" and (not isinstance(state[key], kind) or isinstance(state[key], bool)):  # model: below
             raise not_ours(path, f"{key!r} is {a(type(state[key]))}, not {a(kind)}")
-    if tensors_inside:
-        if "model" not in state:
-            raise not_ours(path, "no 'model'")
+    for key in {{ 'weight_sets(state)' if cookiecutter.ema else '["model"]' }} if tensors_inside else []:
+        weights = state.get(key, {})
+        if not isinstance(weights, dict):
+            raise not_ours(path, f"{key!r} is {a(type(weights))}, not a dict of tensors")
+        for name, value in weights.items():
+            if not isinstance(value, torch.Tensor):
+                raise not_ours(path, f"{key!r} holds {name!r}: {a(type(value))}, not a tensor")
 {%- if cookiecutter.ema %}
-        for key in weight_sets(state):
-            check_weights(path, key, state.get(key, {}))
 
 
 def weight_sets(state: dict) -> list[str]:
     """The sets of model weights a checkpoint holds: "model" and its parts' (e.g. "ema")."""
     return ["model", *state.get("weight_sets", ["ema"] if "ema" in state else [])]
-{%- else %}
-        check_weights(path, "model", state["model"])
 {%- endif %}
-
-
-def check_weights(path: Path, key: str, weights) -> None:
-    if not isinstance(weights, dict):
-        raise not_ours(path, f"{key!r} is {a(type(weights))}, not a dict of tensors")
-    for name, value in weights.items():
-        if not isinstance(value, torch.Tensor):
-            raise not_ours(path, f"{key!r} holds {name!r}: {a(type(value))}, not a tensor")
 
 
 def a(kind: type) -> str:
@@ -267,49 +214,30 @@ def not_ours(path: Path, detail: str) -> UnusableCheckpoint:
 
 
 def load_model_state(path: str | Path) -> tuple[dict, dict]:
+    """A checkpoint's model weights, whole, without wrapper prefixes, and the config that built them."""
 {%- if cookiecutter.fsdp %}
-    """A checkpoint's model weights, whole, on the CPU, without wrapper prefixes, and the
-    config that built them (for export). A file is read once; a folder's optimizer state
-    is not read."""
-    path = Path(path)
-    if path.is_dir():
+    if Path(path).is_dir():
         config = load_checkpoint(path, tensors=False)["config"]
-        return strip_prefixes(folders(path).read_model_weights(path)), config
-{%- else %}
-    """A checkpoint's model weights, whole, on the CPU, without wrapper prefixes, and the
-    config that built them (for export)."""
+        return strip_prefixes(folders().load_full(Path(path), keys={"model"})["model"]), config
 {%- endif %}
     ckpt = load_checkpoint(path)
     return strip_prefixes(ckpt["model"]), ckpt["config"]
-
-
 {%- if cookiecutter.fsdp %}
 
 
-def folders(path: Path):
-    """The module of the part that reads and writes checkpoint folders (its FOLDERS); a
-    project generated without one refuses a folder in one line."""
-    found = next((module.FOLDERS for module in modules() if hasattr(module, "FOLDERS")), None)
-    if found is None:
-        raise UnusableCheckpoint(
-            f"checkpoint {str(path)!r} is a folder, and this project reads .pt files only (folders of shards "
-            "come with the fsdp answer when it is generated)",
-            "use a .pt checkpoint",
-        )
-    return found
+def folders():
+    """engine/sharded.py: the fsdp part's FOLDERS, which reads and writes checkpoint folders."""
+    return next(module.FOLDERS for module in modules() if hasattr(module, "FOLDERS"))
 {%- endif %}
 
 
 def load_plain(path: Path) -> dict:
-    """A torch.save file of a dict of plain data, onto the CPU."""
+    """A torch.save file of a dict of plain data, onto the CPU (not every rank's onto GPU 0)."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} not found")
     try:
-        with warnings.catch_warnings():
-            # A pickle torch.save did not write makes torch warn; the error below says what it is.
+        with warnings.catch_warnings():  # a pickle torch.save did not write: unreadable() says what it is
             warnings.filterwarnings("ignore", "Detected pickle protocol")
-            # map_location="cpu": every rank would otherwise load onto the device the
-            # tensors were saved from (GPU 0), piling N copies there.
             state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # noqa: BLE001  torch's words for any of them are unclear
         raise unreadable(path, error) from None
@@ -319,9 +247,7 @@ def load_plain(path: Path) -> dict:
 
 
 def unreadable(path: Path, error: Exception) -> CheckpointError:
-    """Why torch.load failed, in this project's words: torch's suggest weights_only=False
-    for a hostile file, or say "list index out of range" for a file of something else."""
-    refused = "Weights only load failed" in str(error)
+    """Why torch.load failed, in our words, not torch's ("list index out of range", "weights_only=False")."""
     try:
         kind = file_kind(path)
         name = refused_global(error) or (first_global(path) if kind == NOT_TORCH else None)
@@ -329,70 +255,64 @@ def unreadable(path: Path, error: Exception) -> CheckpointError:
         return CheckpointError(f"checkpoint {str(path)!r} cannot be read: {failure.strerror or failure}")
     if name and torch_lacks(name):
         return written_by_newer_torch(path, name)
-    if name or (refused and kind == TORN):
-        shown = f" ({name})" if name else ""
-        what = f"code or objects other than plain data{shown}"
+    if name or (kind == TORN and "Weights only load failed" in str(error)):
+        what = f"code or objects other than plain data{f' ({name})' if name else ''}"
         return UnusableCheckpoint(f"checkpoint {str(path)!r} holds {what}", "refused")
     if kind == TORN:
         return UnusableCheckpoint(f"checkpoint {str(path)!r} is truncated or corrupt")
     return not_ours(path, kind)
 
 
-TORN = "written by torch.save, then cut short or damaged"
-NOT_TORCH = "not a file torch.save writes"
-
-
 def file_kind(path: Path) -> str:
-    """TORN, NOT_TORCH or what else the file is, from its first bytes (and a zip's list
-    of contents): torch.save writes zip archives (before torch 1.6, a pickle after a magic number)."""
+    """TORN, NOT_TORCH or what else the file is, from its first bytes and a zip's contents."""
     with path.open("rb") as f:
         head = f.read(len(LEGACY_HEAD))
-    if not head:
-        return "an empty file"
-    if head.startswith(ZIP_HEAD):
-        try:
-            with zipfile.ZipFile(path) as archive:
-                names = archive.namelist()
-        except zipfile.BadZipFile:  # the list of its contents, at its end, is missing
-            return TORN
-        return TORN if any(name.endswith("/data.pkl") for name in names) else "a zip archive torch.save did not write"
-    return TORN if head == LEGACY_HEAD else NOT_TORCH
+    if not head.startswith(b"PK\x03\x04"):  # a zip archive, as torch.save writes
+        return TORN if head == LEGACY_HEAD else NOT_TORCH if head else "an empty file"
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except zipfile.BadZipFile:  # the list of its contents, at its end, is missing
+        return TORN
+    return TORN if any(name.endswith("/data.pkl") for name in names) else "a zip archive torch.save did not write"
+
+
+class RefusedGlobal(pickle.UnpicklingError):
+    """A pickle that names a function or class outside the allowed ones."""
+
+
+class PlainUnpickler(pickle.Unpickler):
+    """Builds plain data and the globals in ALLOWED only: any other is refused unlooked-up."""
+
+    ALLOWED: set[str] = set()
+
+    def find_class(self, module: str, name: str):
+        if f"{module}.{name}" not in self.ALLOWED:
+            raise RefusedGlobal(f"{module}.{name}")
+        return super().find_class(module, name)
 
 
 def first_global(path: Path) -> str | None:
-    """The first function or class a plain pickle names ('posix.system'), found without
-    running it (pickletools only decodes); None for a file that is no pickle."""
-    strings: list[str] = []
+    """The first function or class a plain pickle names ('posix.system'), found without running it."""
     try:
         with path.open("rb") as f:
-            if f.read(1) != pickle.PROTO:  # protocol 2 or later: what pickle.dumps writes
-                return None
-            f.seek(0)
-            for opcode, arg, _ in pickletools.genops(f):
-                if opcode.name == "GLOBAL":
-                    return arg.replace(" ", ".")
-                if opcode.name == "STACK_GLOBAL" and len(strings) == 2:
-                    return ".".join(strings)
-                if isinstance(arg, str):
-                    strings = [*strings[-1:], arg]
-    except Exception:  # noqa: BLE001  garbage after the first byte, or cut short: nothing named
-        return None
+            PlainUnpickler(f).load()
+    except RefusedGlobal as error:
+        return str(error)
+    except Exception:  # noqa: BLE001  no pickle, or cut short: nothing named
+        pass
     return None
 
 
 def load_exported_weights(path: Path) -> dict:
-    """The weights of a file export.py writes: model.pt (a torch.save dict of tensors, read
-    as checkpoints are) or model.safetensors (tensors only, by format); load_model_weights
-    then checks them against the model."""
-    if path.suffix != ".safetensors":
-        weights = load_plain(path)
-    else:
+    """The weights export.py writes: model.safetensors (tensors only, by format), or model.pt."""
+    if path.suffix == ".safetensors":
         try:
-            weights = safetensors.torch.load_file(path)
+            return safetensors.torch.load_file(path)
         except Exception as error:  # noqa: BLE001  a truncated or foreign file alike
-            raise UnusableCheckpoint(
-                f"cannot read {str(path)!r} as safetensors ({one_line(error)})", "export it again"
-            ) from None
+            problem = f"cannot read {str(path)!r} as safetensors ({one_line(error)})"
+            raise UnusableCheckpoint(problem, "export it again") from None
+    weights = load_plain(path)
     for name, value in weights.items():
         if not isinstance(value, torch.Tensor):
             raise UnusableCheckpoint(f"{str(path)!r} holds {name!r}: {a(type(value))}, not a tensor", "export it again")
@@ -401,16 +321,7 @@ def load_exported_weights(path: Path) -> dict:
 
 def strip_prefixes(state_dict: dict) -> dict:
     """Model weights without wrapper prefixes, so any wrapping loads any other."""
-    clean = {}
-    for key, value in state_dict.items():
-        changed = True
-        while changed:
-            changed = False
-            for prefix in PREFIXES:
-                if key.startswith(prefix):
-                    key, changed = key[len(prefix) :], True
-        clean[key] = value
-    return clean
+    return {PREFIXES.sub("", key): value for key, value in state_dict.items()}
 
 
 def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) -> None:
@@ -419,53 +330,33 @@ def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) ->
     check_shapes(model, weights, source)
     # Full tensors into a plain{{ ", DDP or FSDP (sharded)" if cookiecutter.fsdp else " or DDP" }} model alike.
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
-{%- if cookiecutter.fsdp %}
 
 
-def load_weights(model: torch.nn.Module, path: Path, ckpt: dict, optimizer=None, part: str = "model") -> None:
-    """A checkpoint's model weights (and optimizer state, when `optimizer` is given) into a
-    plain, DDP or FSDP model; part="ema": a part's set of weights instead. `ckpt` is
-    what load_checkpoint(path, tensors=False) returned: a file's whole contents, or a
-    folder's run state, whose tensors each rank then reads shard by shard. Every rank
-    must call this."""
+def load_weights(model: torch.nn.Module, path: Path, ckpt: dict{{ ", optimizer=None" if cookiecutter.fsdp }}{{ ', part: str = "model"' if cookiecutter.ema or cookiecutter.fsdp }}) -> None:
+    """A checkpoint's model weights into the model (`ckpt`: what load_checkpoint(path,
+    tensors=False) returned; a file's optimizer state is loaded by TrainState.load_state_dict).{% if cookiecutter.ema %}
+    part="ema": a part's set of weights instead.{% endif %}{% if cookiecutter.fsdp %}
+    A folder's tensors (and optimizer state, given `optimizer`) each rank reads shard by
+    shard: every rank must call this.{% endif %}"""
+{%- if cookiecutter.ema %}
     if not has_part(path, ckpt, part):
         raise CheckpointError(f"{path} has no {part!r} weights (that part was off when it was saved)")
-    if part in ckpt:
-        load_model_weights(model, ckpt[part], str(path))
-        return  # a file's optimizer state is loaded by TrainState.load_state_dict
-    folders(path).load_into(model, path, optimizer, part)
-
-
-def has_part(path: Path, ckpt: dict, part: str) -> bool:
-    """Whether a checkpoint file, or a folder's metadata, holds `part`."""
-    return part in ckpt if "model" in ckpt else folders(path).holds(path, part)
-{%- elif cookiecutter.ema %}
-
-
-def load_weights(model: torch.nn.Module, path: Path, ckpt: dict, part: str = "model") -> None:
-    """A checkpoint's model weights into a plain or DDP model; part="ema": a part's set of
-    weights instead (the optimizer state is loaded by TrainState.load_state_dict)."""
-    if not has_part(path, ckpt, part):
-        raise CheckpointError(f"{path} has no {part!r} weights (that part was off when it was saved)")
-    load_model_weights(model, ckpt[part], str(path))
-
-
-def has_part(path: Path, ckpt: dict, part: str) -> bool:
-    return part in ckpt
-{%- else %}
-
-
-def load_weights(model: torch.nn.Module, path: Path, ckpt: dict) -> None:
-    """A checkpoint's model weights into a plain or DDP model (the optimizer state is
-    loaded by TrainState.load_state_dict)."""
-    load_model_weights(model, ckpt["model"], str(path))
 {%- endif %}
+{%- if cookiecutter.fsdp %}
+    if part not in ckpt:
+        return folders().load_sharded(model, path, optimizer, part)
+{%- endif %}
+    load_model_weights(model, ckpt[{{ "part" if cookiecutter.ema or cookiecutter.fsdp else '"model"' }}], str(path))
 {%- if cookiecutter.ema %}
 
 
+def has_part(path: Path, ckpt: dict, part: str) -> bool:
+    """Whether a checkpoint file{{ ", or a folder's metadata," if cookiecutter.fsdp }} holds `part`."""
+    return part in ckpt{{ ' if "model" in ckpt else folders().holds(path, part)' if cookiecutter.fsdp }}
+
+
 def load_part_weights(part, model: torch.nn.Module, path: Path, ckpt: dict) -> None:
-    """The checkpoint's set of weights of `part` (e.g. the EMA), resharded like the model's;
-    a checkpoint saved without them (the part just turned on) leaves them at the model's."""
+    """`part`'s set of weights (e.g. the EMA); none saved (the part just turned on): the model's."""
     if not has_part(path, ckpt, part.name):
         part.reset_weights()
         if is_main():
@@ -476,20 +367,14 @@ def load_part_weights(part, model: torch.nn.Module, path: Path, ckpt: dict) -> N
 {%- endif %}
 
 
-# Floating-point weights of these dtypes load into a model of any of them, converted (a
-# float16 copy of the weights predicts as float16 weights do); any other dtype must be the model's.
+# Floating-point dtypes load into each other, converted; any other must be the model's.
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_shapes(model: torch.nn.Module, saved: dict, source: str) -> None:
-    """The one check of weights before they load: name the first weight that is missing,
-{%- if cookiecutter.fsdp %}
-    extra, shaped differently, or of a dtype the model's does not take (FSDP's sharded
-    parameters report their full shape). `saved`: the weights, or a folder's as empty
-    tensors on the meta device (from its metadata)."""
-{%- else %}
-    extra, shaped differently, or of a dtype the model's does not take."""
-{%- endif %}
+    """The one check of weights before they load: name the first weight missing, extra,
+    shaped differently, or of a dtype the model's does not take.{% if cookiecutter.fsdp %} `saved`: the weights, or a
+    folder's as meta tensors from its metadata (FSDP's sharded parameters report full shapes).{% endif %}"""
     expected = model.state_dict()
     for key, value in expected.items():
         if key not in saved:
@@ -511,11 +396,7 @@ def check_shapes(model: torch.nn.Module, saved: dict, source: str) -> None:
 
 
 class Checkpointer:
-    """The run's checkpoints: when to write them, which is best, and where to resume.
-
-    Every rank must call its methods: they gather every rank's RNG state, and all ranks
-    stop together if rank 0 cannot write.
-    """
+    """The run's checkpoints: when, which is best, where to resume. Every rank calls its methods."""
 
     def __init__(self, cfg: Config, env: DistEnv, device: torch.device{{ ', provenance: dict | None = None' if cookiecutter.run_record }}):
         self.cfg, self.env, self.device = cfg, env, device
@@ -531,16 +412,14 @@ class Checkpointer:
             self.save(state)
 
     def save(self, state, val_metrics: dict | None = None) -> None:
-        """Write a checkpoint now; with an epoch's `val_metrics`, also best.pt if that
-        epoch has the best checkpoint.best_metric so far."""
+        """Write a checkpoint now; with an epoch's `val_metrics`, best.pt too if they are the best."""
         state.guard.check(state.scaler)  # never save non-finite weights: stop instead
         is_best = val_metrics is not None and self.is_new_best(state, val_metrics)
-        rng_states = gather_objects_on_main(capture_rng_state())  # each rank's, for an exact resume; None off rank 0
         run = {
             "format_version": CHECKPOINT_FORMAT,
             "config": self.cfg.to_dict(),
             "world_size": self.env.world_size,
-            "rng": rng_states,
+            "rng": gather_objects_on_main(capture_rng_state()),  # each rank's, for an exact resume; None off rank 0
 {%- if cookiecutter.run_record %}
             **({"provenance": self.provenance} if self.provenance else {}),
 {%- endif %}
@@ -549,13 +428,11 @@ class Checkpointer:
         try:
 {%- if cookiecutter.fsdp %}
             if any(part.saves_sharded for part in state.parts):  # folders on any number of processes: one kind per run
-                folders(self.directory).save_folder(self, state, {**state.run_state_dict(), **run}, is_best)
-                return
+                return folders().save_folder(self, state, {**state.run_state_dict(), **run}, is_best)
 {%- endif %}
-            payload = {**state.state_dict(), **run}
             with stop_all_if_any_fails(self.device):
                 if is_main():
-                    save_checkpoint(payload, self.directory, state.step, keep_last, is_best)
+                    save_checkpoint({**state.state_dict(), **run}, self.directory, state.step, keep_last, is_best)
         except UsageError as error:
             raise CheckpointError(
                 f"checkpoint not saved ({error}); free disk space or choose a writable output_dir "
@@ -563,12 +440,11 @@ class Checkpointer:
             ) from None
 
     def last_good(self) -> str:
-        """Which checkpoint a run that stops now leaves (checkpoints are written only after
-        the non-finite check, so the newest one is good)."""
+        """Which checkpoint a run that stops now leaves (all are written after the non-finite check)."""
         steps = step_checkpoints(self.directory)
         if not steps:
             return "no checkpoint was saved before it"
-        step = int(STEP_FILE.match(steps[-1].name).group(1))
+        step = step_and_revision(steps[-1])[0]
         return f"the last good checkpoint is {self.directory / 'last.pt'} (step {step}), kept"
 
     def check_best_metric(self, val_metrics: dict) -> None:
@@ -582,19 +458,16 @@ class Checkpointer:
             )
 
     def is_new_best(self, state, val_metrics: dict) -> bool:
-        """Whether `val_metrics` beat the best so far (then recorded in `state`). Every
-        rank decides alike: the metrics are the same on every rank."""
-        name, mode = self.cfg.checkpoint.best_metric, self.cfg.checkpoint.best_mode
+        """Whether `val_metrics` beat the best so far (then recorded in `state`)."""
         self.check_best_metric(val_metrics)
-        value, best = val_metrics[name], state.best_metric_value
-        if best is not None and not (value > best if mode == "max" else value < best):
+        value, best = val_metrics[self.cfg.checkpoint.best_metric], state.best_metric_value
+        if best is not None and not (value > best if self.cfg.checkpoint.best_mode == "max" else value < best):
             return False
         state.best_metric_value = value
         return True
 
     def resume(self, state) -> bool:
-        """Continue the run from its checkpoint, or initialise weights for fine-tuning.
-        Returns True when the RNG state was restored (mid-epoch resume, same layout)."""
+        """Continue from the run's checkpoint, or init_from's weights; True if the RNG state was restored."""
         with stop_all_if_any_fails(self.device):
             found = load_resume_checkpoint(self.cfg)
         seen = all_gather_objects(None if found is None else (str(found[0]), found[1]["step"]))
@@ -637,174 +510,98 @@ class Checkpointer:
         return self.continue_data_position(state, ckpt, run_lr)
 
     def continue_data_position(self, state, ckpt: dict, run_lr: float) -> bool:
-        """Restore this rank's RNG state when the layout is the same; otherwise continue at
-        the same sample of the epoch's permutation, in whole steps. True if restored.
-        `run_lr`: the base lr this run's recipe chose, which the checkpoint's replaced."""
-        saved, train = ckpt["config"].get("train", {}), self.cfg.train
-        saved_lr = state.scheduler.base_lrs[0]
-        changed = not math.isclose(saved_lr, run_lr) or ckpt["config"].get("optim") != plain(self.cfg.optim)
-        if is_main() and changed:
+        """Restore this rank's RNG state if the layout is the same (True); else continue at the
+        same sample of the epoch's permutation. `run_lr`: this run's, which the checkpoint's replaced."""
+        saved_lr, train, world_size = state.scheduler.base_lrs[0], self.cfg.train, self.env.world_size
+        if is_main() and (not math.isclose(saved_lr, run_lr) or ckpt["config"].get("optim") != plain(self.cfg.optim)):
             log(f"note: the optimizer continues with the checkpoint's lr ({saved_lr:.4g}) and settings")
         if state.batches_done == 0:
             return False
-        world_size = self.env.world_size
-        saved = {key: saved.get(key, field_default(TrainConfig.__dataclass_fields__[key])) for key in SHAPE}
-        if (ckpt["world_size"], saved["batch_size"], saved["accum_steps"]) == (
-            world_size,
-            train.batch_size,
-            train.accum_steps,
-        ):
+        saved = ckpt["config"].get("train", {})
+        batch, accum = (saved.get(key, field_default(TrainConfig.__dataclass_fields__[key])) for key in SHAPE)
+        if (ckpt["world_size"], batch, accum) == (world_size, train.batch_size, train.accum_steps):
             restore_rng_state(ckpt["rng"][self.env.rank])
             return True
-        samples_done = state.batches_done * saved["batch_size"] * ckpt["world_size"]
+        samples_done = state.batches_done * batch * ckpt["world_size"]
         state.batches_done = samples_done // effective_batch(train, world_size) * train.accum_steps
         if is_main():
             log(
-                f"note: the checkpoint was written by {ckpt['world_size']} processes x batch {saved['batch_size']} x "
-                f"{saved['accum_steps']} accum_steps and this run has {world_size} x {train.batch_size} x "
+                f"note: the checkpoint was written by {ckpt['world_size']} processes x batch {batch} x "
+                f"{accum} accum_steps and this run has {world_size} x {train.batch_size} x "
                 f"{train.accum_steps}; model and optimizer continue exactly, the data order from here differs"
             )
         return False
 
 
 def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
-    """The checkpoint to continue from (checkpoint.resume: auto, none or a path).
-
-    auto takes last.pt in output_dir. If it cannot be used (a truncated copy, a full
-    disk), it says so and takes the newest step checkpoint that can. A last.pt that
-    train.py did not leave (a link elsewhere, or older than a step checkpoint beside it:
-    replaced by hand, or left by a run that went back to an older checkpoint) is refused:
-    continuing from it would overwrite and prune the newer checkpoints. Every rank must
-    call this: each reads the same files alike.
-    """
+    """The checkpoint to continue from (checkpoint.resume: auto, none or a path). auto: last.pt,
+    else (said) the newest usable step; a last.pt train.py did not leave (a link elsewhere, older
+    than a step beside it) is refused, as continuing would overwrite the newer checkpoints."""
     if cfg.checkpoint.resume == "none":
         return None
     if cfg.checkpoint.resume != "auto":
         path = Path(cfg.checkpoint.resume)
         return path, load_checkpoint(path, tensors=False)
     directory = checkpoint_dir(cfg.output_dir)
-    last, steps = directory / "last.pt", list(reversed(step_checkpoints(directory)))
-    if not os.path.lexists(last):  # a broken link is there: said, not skipped
-        return newest_usable(steps, directory)
-    refuse_foreign_link(last)
-    steps = [path for path in steps if not same_file(path, last)]
-    ckpt = usable(last)
-    if ckpt is None:
-        return newest_usable(steps, directory)
-    newer = [path for path in steps if step_and_revision(path)[0] > ckpt["step"]]
-    if newer:
-        raise CheckpointError(
-            f"checkpoint {str(last)!r} is step {ckpt['step']}, but {newer[0].name} beside it is newer; {CONTINUE_HOW}"
-        )
-    return last, ckpt
-
-
-CONTINUE_HOW = "remove it to continue from the newest step checkpoint, or set checkpoint.resume=PATH"
-
-
-def refuse_foreign_link(last: Path) -> None:
-    """last.pt is a hard link to a step file, or a relative link to a step-*.dcp folder
-    beside it: a link to anything else was made by hand, and continuing from it could
-    overwrite the newer checkpoints beside it."""
-    if not last.is_symlink():
-        return
-    target = os.readlink(last)
-    named = STEP_FILE.match(target)
-    if not (named and named.group(3) == "dcp"):  # a name alone: no folder part, not absolute
+    last = directory / "last.pt"
+    target = os.readlink(last) if last.is_symlink() else None  # train.py links only to a step-*.dcp folder beside it
+    if target is not None and not (STEP_FILE.match(target) and target.endswith(".dcp")):
         raise CheckpointError(
             f"checkpoint {str(last)!r} links to {target!r}, not to a step-*.dcp folder beside it; {CONTINUE_HOW}"
         )
-
-
-def same_file(path: Path, other: Path) -> bool:
-    """Whether two names are one checkpoint (a hard link, or a link to a folder)."""
-    try:
-        return os.path.samefile(path, other)
-    except OSError:  # a broken link
-        return False
-
-
-def usable(path: Path) -> dict | None:
-    """The checkpoint's run state, or None when it cannot be used, which is said."""
-    try:
-        return load_checkpoint(path, tensors=False)
-    except CheckpointError as error:
-        if is_main():
-            log(f"warning: {getattr(error, 'problem', error)}; trying an older checkpoint")
-        return None
-
-
-def newest_usable(paths: list[Path], directory: Path) -> tuple[Path, dict] | None:
-    """The first of `paths` (newest first) that can be used; None if there are no
-    checkpoints at all, an error if none of them can."""
-    for path in paths:
-        ckpt = usable(path)
-        if ckpt is not None:
-            return path, ckpt
-    if paths or os.path.lexists(directory / "last.pt"):
+    steps = [p for p in reversed(step_checkpoints(directory)) if not (last.exists() and os.path.samefile(p, last))]
+    candidates = ([last] if os.path.lexists(last) else []) + steps  # a broken link is there: said, not skipped
+    for path in candidates:
+        try:
+            ckpt = load_checkpoint(path, tensors=False)
+        except CheckpointError as error:
+            if is_main():
+                log(f"warning: {getattr(error, 'problem', error)}; trying an older checkpoint")
+            continue
+        newer = [step for step in steps if step_and_revision(step)[0] > ckpt["step"]] if path == last else []
+        if newer:
+            problem = f"checkpoint {str(last)!r} is step {ckpt['step']}, but {newer[0].name} beside it is newer"
+            raise CheckpointError(f"{problem}; {CONTINUE_HOW}")
+        return path, ckpt
+    if candidates:
         raise CheckpointError(
             f"no readable checkpoint in {str(directory)!r}; move it away to start over, or set checkpoint.resume=PATH"
         )
     return None
 
 
-def config_changes(saved: dict, cfg: Config) -> list[str]:
-    """'section.key: old -> new' for each setting that changes what the weights mean: the
-    seed and the task's data and model sections, but for the keys each section lists in
-    `may_change_on_resume` (e.g. where the files are, how they are augmented){% if cookiecutter.freezing %}; and the
-    sections that say `fixed_on_resume` (e.g. freeze, which shapes the optimizer){% endif %}.
+CONTINUE_HOW = "remove it to continue from the newest step checkpoint, or set checkpoint.resume=PATH"
 
-    The schema may have grown since the checkpoint: a key it lacks counts as its default
-    (the default keeps the old behaviour), and one the schema no longer has is ignored.
-    Keys set in both come first, in schema order: what the user changed, before the keys
-    new since the checkpoint."""
+
+def config_changes(saved: dict, cfg: Config) -> list[str]:
+    """'section.key: old -> new' for each setting that changes what the weights mean: the seed,
+    data, model{% if cookiecutter.freezing %} and `fixed_on_resume` sections (e.g. freeze){% endif %}, but their `may_change_on_resume`
+    keys. A key the checkpoint lacks counts as its default (the old behaviour), after the others."""
 {%- if cookiecutter.freezing %}
     fixed = [name for name, section in cfg.sections.items() if getattr(section, "fixed_on_resume", False)]
 {%- endif %}
     changes = section_changes("", saved, cfg, only=("seed",))
     for name in ("data", "model"{{ ", *fixed" if cookiecutter.freezing }}):
         changes += section_changes(f"{name}.", saved.get(name) or {}, getattr(cfg, name))
-    return [str(change) for change in sorted(changes, key=lambda change: change.new_key)]  # stable: schema order
+    return [text for _, text in sorted(changes, key=lambda change: change[0])]  # stable: schema order
 
 
-@dataclasses.dataclass(frozen=True)
-class SettingChange:
-    name: str
-    old: object  # for a new key, its default (MISSING if it has none)
-    new: object
-    new_key: bool  # absent from the checkpoint's config
-
-    def __str__(self) -> str:
-        new = repr(plain(self.new))
-        if not self.new_key:
-            return f"{self.name}: {plain(self.old)!r} -> {new}"
-        if self.old is dataclasses.MISSING:
-            return f"{self.name}: new key, no default -> {new}"
-        return f"{self.name}: new key, default {plain(self.old)!r} -> {new}"
-
-
-def section_changes(prefix: str, saved: dict, section, only=None, new_key=False) -> list[SettingChange]:
-    """The changes of a config section (a dataclass) from `saved`, its values as the
-    checkpoint holds them; `only`: just these fields."""
-    free = getattr(section, "may_change_on_resume", ())
+def section_changes(prefix: str, saved: dict, section, only=None, new_key=False) -> list[tuple[bool, str]]:
+    """(new key?, 'name: old -> new') for a config section's (a dataclass's) changes from `saved`."""
     changes = []
     for f in dataclasses.fields(section):
-        if f.name in free or (only is not None and f.name not in only):
+        if f.name in getattr(section, "may_change_on_resume", ()) or (only is not None and f.name not in only):
             continue
-        value, name = getattr(section, f.name), f"{prefix}{f.name}"
-        if f.name in saved:
-            changes += value_changes(name, saved[f.name], value, new_key)
-        else:
-            changes += value_changes(name, field_default(f), value, new_key=True)
+        name, new, is_new = f"{prefix}{f.name}", getattr(section, f.name), new_key or f.name not in saved
+        old = field_default(f) if f.name not in saved else saved[f.name]  # a new key's default (MISSING if none)
+        if dataclasses.is_dataclass(new) and isinstance(old, dict | type(new)):
+            changes += section_changes(f"{name}.", old if isinstance(old, dict) else plain(old), new, new_key=is_new)
+        elif plain(old) != plain(new):
+            was = repr(plain(old))
+            if is_new:
+                was = "new key, no default" if old is dataclasses.MISSING else f"new key, default {was}"
+            changes.append((is_new, f"{name}: {was} -> {plain(new)!r}"))
     return changes
-
-
-def value_changes(name: str, old, new, new_key: bool) -> list[SettingChange]:
-    """A nested section key by key (dotted names); any other value whole, normalised."""
-    if dataclasses.is_dataclass(new) and isinstance(old, dict | type(new)):
-        old_values = old if isinstance(old, dict) else plain(old)  # a new section's default is a dataclass
-        return section_changes(f"{name}.", old_values, new, new_key=new_key)
-    return [] if plain(old) == plain(new) else [SettingChange(name, old, new, new_key)]
 
 
 def refuse_changed_settings(path: Path, saved: dict, cfg: Config) -> None:

@@ -60,8 +60,7 @@ def torchrun_env(environ: Mapping[str, str]) -> DistEnv:
                 f"and a free port there, {one_process}, or start with torchrun, which sets them all"
             )
     port = port_number(environ, f"set it to a free port of rank 0's host, or {one_process}")
-    # torchrun's agent sets TORCHELASTIC_RUN_ID for every process.
-    by_hand = "TORCHELASTIC_RUN_ID" not in environ
+    by_hand = "TORCHELASTIC_RUN_ID" not in environ  # torchrun's agent sets it for every process
     return DistEnv(rank, world_size, local_rank or 0, "torchrun", environ["MASTER_ADDR"], port, by_hand)
 
 
@@ -133,21 +132,17 @@ def select_backend(requested: str, cuda_available: bool) -> str:
     """NCCL for GPU tensors beside gloo for the few CPU tensors that travel; gloo alone without GPUs."""
     if requested == "nccl" and not cuda_available:
         raise ConfigError("dist.backend=nccl needs CUDA GPUs; use dist.backend=gloo or auto")
-    if requested == "auto":
-        return "cpu:gloo,cuda:nccl" if cuda_available else "gloo"
-    return requested
+    return ("cpu:gloo,cuda:nccl" if cuda_available else "gloo") if requested == "auto" else requested
 
 
 def select_device(env: DistEnv, cuda_available: bool, device_count: int = 0) -> torch.device:
     """The GPU of this local rank; the one GPU the launcher shows (--gpus-per-task=1); else the CPU."""
     if not cuda_available:
         return torch.device("cpu")
-    if device_count == 1:
-        return torch.device("cuda", 0)
-    if env.local_rank >= device_count:
+    if device_count > 1 and env.local_rank >= device_count:
         fix = "start one process per GPU: --nproc_per_node / --ntasks-per-node"
         raise UsageError(f"local rank {env.local_rank} has no GPU: {device_count} visible ({fix})")
-    return torch.device("cuda", env.local_rank)
+    return torch.device("cuda", env.local_rank if device_count > 1 else 0)
 
 
 def init_distributed_mode(cfg: DistConfig{{ ', trace_dir: Path | None = None' if cookiecutter.run_record }}) -> tuple[DistEnv, torch.device]:
@@ -201,11 +196,7 @@ def process_group_env(environ: Mapping[str, str]{{ ', trace_entries: int, trace_
         wanted |= {"TORCH_FR_BUFFER_SIZE": str(trace_entries), "TORCH_FR_DUMP_TEMP_FILE": f"{trace_dir}/rank_"}
         wanted["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
 {%- endif %}
-    set_at_launch = {name for name in wanted if name in environ}
-{%- if cookiecutter.run_record %}
-    set_at_launch |= {new for new, old in OLDER_NAMES.items() if old in environ}
-{%- endif %}
-    return {name: value for name, value in wanted.items() if name not in set_at_launch}
+    return {n: v for n, v in wanted.items() if n not in environ{{ ' and OLDER_NAMES.get(n, n) not in environ' if cookiecutter.run_record }}}
 
 
 def multi_node(environ: Mapping[str, str]) -> bool:
@@ -253,8 +244,7 @@ def flight_recorder_file() -> Path | None:
 
 
 def dump_flight_recorder() -> None:
-    """Write this rank's flight recorder for gloo, unless NCCL's watchdog has; before leaving the process group,
-    as it names the groups only while they exist."""
+    """Write this rank's flight recorder unless NCCL's watchdog has; before leaving the groups it names."""
     path = flight_recorder_file()
     dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)  # no public API yet
     if path is None or dump is None or path.exists():
@@ -292,10 +282,9 @@ def cleanup_distributed() -> None:
 def get_rank() -> int:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank()
-    try:  # os.environ itself: copying it took ~30 us of a small step
-        return parse_dist_env(os.environ).rank
-    except UsageError:  # a malformed launch: each process reports it, there is no rank 0 to leave it to
-        return 0
+    with contextlib.suppress(UsageError):  # a malformed launch: each process reports it, no rank 0 to leave it to
+        return parse_dist_env(os.environ).rank  # os.environ itself: copying it took ~30 us of a small step
+    return 0
 
 
 def get_world_size() -> int:

@@ -1,27 +1,20 @@
 """A run's life: one run per output_dir (RunLock), and a clean stop when asked (StopRequest, Supervisor).
 
-One run per output_dir, so a second one (a double submit, a requeue race) never writes beside the first. Rank 0
-creates <output_dir>/run.lock whole and exclusively before writing anything there; it names the holder's host,
-pid, start time, launch and which start of the launch it is, and a thread refreshes it every HEARTBEAT_S. A lock
-found on disk is taken over when its holder is gone, otherwise the run refuses at once, naming the holder:
-- an earlier start of the same launch: the SLURM job before a requeue (lower SLURM_RESTART_COUNT), or the torchrun
-  launch before an elastic restart (lower TORCHELASTIC_RESTART_COUNT);
-- the same host, and no live process has the holder's pid (a kill -9, a crash);
-- any host, and no heartbeat for STALE_S (a dead node, whose pid another node cannot look up).
-A torchrun launch is its run id (`--rdzv_id`, which two launches of one script may share) with its store's address,
-which lives as long as the launch unless rank 0 moves to another node on a restart. A holder with the same run id
-on another host and store may be either, so it is watched: a heartbeat means a second launch (refused), silence
-for STALE_S a restart (taken over).
+One run per output_dir, so a second one (a double submit, a requeue race) never writes beside the first: rank 0
+creates <output_dir>/run.lock whole and exclusively, naming the holder's host, pid, launch and which start of the
+launch it is, and refreshes it every HEARTBEAT_S. A lock on disk is taken over when its holder is gone (an earlier
+start of the same SLURM job or torchrun launch; no live process with its pid on this host; no heartbeat for
+STALE_S, as from a dead node); else the run refuses at once, naming the holder. A torchrun launch is its run id
+(which two launches may share) with its store's address (which moves if rank 0 does on a restart): a holder with
+the same id from another host and store is watched, refused on a heartbeat and taken over after STALE_S of silence.
 
-A clean stop on SIGTERM (torchrun, SLURM), SIGINT (Ctrl-C), SIGUSR1 (SLURM's warning before the time limit), or
-the launcher's death. A signal may reach one process or all: each only notes it, and at agreed optimizer steps (or
-rounds of evaluation batches) the ranks compare notes in one tiny all-reduce and stop together, rank 0 saving a
-step checkpoint the next run resumes from exactly. torchrun kills workers 30 s after its SIGTERM: stopping takes
-under a second plus one step and one save. A launcher killed with -9 sends nothing, and its workers (in sessions of
-their own) would train on, holding their GPUs: each rank started by a launcher watches its parent, notes a stop
-when it goes and exits ORPHAN_GRACE_S later if still there. A plain `python train.py` is not watched (its shell may
-close on purpose: nohup). A stop so exits STOPPED_EXIT_CODE (run the same command to continue); one at
-train.stop_at_step exits 0.
+A clean stop on SIGTERM (torchrun, SLURM), SIGINT (Ctrl-C), SIGUSR1 (SLURM's warning before the time limit) or
+the launcher's death. A signal may reach any of the processes: each only notes it, and at agreed optimizer steps
+(or rounds of evaluation batches) the ranks compare notes in one tiny all-reduce and stop together, rank 0 saving
+a checkpoint the next run resumes from exactly; well within the 30 s torchrun gives before SIGKILL. A launcher
+killed with -9 sends nothing, and its workers would train on, holding their GPUs: each rank a launcher started
+watches its parent, stops when it goes and exits ORPHAN_GRACE_S later if still there (`python train.py` is not
+watched: its shell may close on purpose). Such a stop exits STOPPED_EXIT_CODE; one at train.stop_at_step, 0.
 """
 
 import contextlib
@@ -63,9 +56,8 @@ class RunLock:
     def __init__(self, output_dir: str | Path):
         self.path = Path(output_dir) / LOCK_NAME
         run_id, job = os.environ.get("TORCHELASTIC_RUN_ID"), os.environ.get("SLURM_JOB_ID")
-        torchrun = ""  # torchrun's run id with its store's address; none for an id torchrun made up
-        if run_id and run_id != "none":
-            torchrun = f"{run_id}@{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        store = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        torchrun = f"{run_id}@{store}" if run_id not in (None, "", "none") else ""  # "none": an id torchrun made up
         self.me = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
@@ -96,8 +88,7 @@ class RunLock:
         return self
 
     def try_create(self) -> bool:
-        """Create the lock whole or not at all (files.create_whole), so a full disk never leaves an empty lock
-        that would block the next start as a live holder's."""
+        """Create the lock whole or not at all: a full disk never leaves an empty one to block the next start."""
         try:
             create_whole(self.path, lambda f: f.write(json.dumps(self.me).encode()))
         except FileExistsError:
@@ -145,14 +136,12 @@ class RunLock:
         """An earlier start of this launch (not a run of the same start, e.g. two terminals in one salloc)."""
         if not holder.get("launch") or holder["launch"] != self.me["launch"]:
             return False
-        if count(holder.get("requeues")) != self.me["requeues"]:
-            return count(holder.get("requeues")) < self.me["requeues"]
         same_torchrun = bool(self.me["torchrun"]) and holder.get("torchrun") == self.me["torchrun"]
-        return same_torchrun and count(holder.get("restarts")) < self.me["restarts"]
+        start = (count(holder.get("requeues")), count(holder.get("restarts")) if same_torchrun else 0)
+        return start < (self.me["requeues"], self.me["restarts"] if same_torchrun else 0)
 
     def may_be_my_restart(self, holder: dict) -> bool:
-        """The same torchrun run id, another store, another host: a restart whose rank 0 moved, or a second
-        launch with the same --rdzv_id."""
+        """The same torchrun run id from another store and host: a restart whose rank 0 moved, or a second launch."""
         run_id = self.me["launch"].partition("@")[0]
         same_id = str(holder.get("launch", "")).partition("@")[0] == run_id
         return run_id.startswith("torchrun:") and same_id and holder.get("host") != self.me["host"]
@@ -198,8 +187,7 @@ STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped before the end (a checkpoint if i
 
 
 class StopRequest:
-    """When to stop before the last epoch ends: on a stop signal to any rank, or at train.stop_at_step; the same
-    on every rank."""
+    """When to stop before the last epoch ends, the same on every rank: on a stop signal, or at train.stop_at_step."""
 
     def __init__(self, timeout_minutes: float, stop_at_step: int = 0):
         self.stop_at_step = stop_at_step  # 0: none
@@ -212,7 +200,7 @@ class StopRequest:
         self.by_signal = False  # whether the ranks agreed on a stop by a signal (or the launcher's loss)
 
     def install(self, launcher: str) -> "StopRequest":
-        """Handle the stop signals; under a launcher (torchrun, srun), watch it too."""
+        """Handle the stop signals; under a launcher, watch it too."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self.handle)
         if launcher != "none":
@@ -220,8 +208,7 @@ class StopRequest:
             threading.Thread(target=self.watch_launcher, name="launcher-watch", daemon=True).start()
         return self
 
-    def launcher_gone(self) -> bool:
-        """Whether this process was handed to another parent: its launcher died."""
+    def launcher_gone(self) -> bool:  # handed to another parent: the launcher died
         return self.parent is not None and os.getppid() != self.parent
 
     def watch_launcher(self) -> None:
@@ -250,8 +237,7 @@ class StopRequest:
         return self.by_signal
 
     def during_evaluation(self) -> Callable[[int], bool]:
-        """For one evaluation: whether any rank got a stop signal, asked after each round of batches (every
-        rank's i-th); every rank must ask at every round that every rank has."""
+        """For one evaluation: whether any rank got a stop signal, asked by every rank after each round of batches."""
         return functools.partial(self.noted_anywhere, NoteComparison(self.group))
 
     def exit_code(self) -> int:
@@ -260,9 +246,8 @@ class StopRequest:
 
 
 class NoteComparison:
-    """Ranks compare their notes (a stop signal or not) at counts they agree on, every ~CHECK_EVERY_SECONDS: rank 0
-    proposes the next count from its rate inside the same all-reduce, so no clock has to agree. The interval at
-    most doubles from one comparison to the next."""
+    """Ranks compare notes (a stop signal or not) at counts they agree on, every ~CHECK_EVERY_SECONDS: rank 0
+    proposes the next count from its rate inside the same all-reduce, so no clock has to agree."""
 
     def __init__(self, group):
         self.group = group  # None: one process, nothing to compare
@@ -274,27 +259,24 @@ class NoteComparison:
             return noted
         if count < self.next_check:
             return False
-        now, ahead = time.monotonic(), 1  # the first count: no rate known yet
+        now = time.monotonic()
+        ahead = 1  # the first count: no rate known yet
         if self.last_check is not None:
             last_count, last_time = self.last_check
             per_second = (count - last_count) / max(now - last_time, 1e-6)
-            # At most twice the last interval: a burst (prefetched batches) would otherwise propose a count past
-            # the evaluation's or the epoch's end, never reached.
+            # At most twice the last interval: a burst (prefetched batches) could propose a count never reached.
             ahead = min(max(1, int(per_second * CHECK_EVERY_SECONDS)), 2 * (count - last_count))
         any_noted, next_check = vote([float(noted), float(count + ahead if is_main() else 0)], "max", self.group)
-        self.next_check, self.last_check = int(next_check), (count, now)
+        self.next_check = int(next_check)
+        self.last_check = (count, now)
         return bool(any_noted)
 
 
 def leave_stop_signals_to_the_rank(worker_id: int) -> None:
-    """In each DataLoader worker: ignore the stop signals unless its rank sends them.
-
-    Launchers signal a rank's whole process group, workers included, and a worker killed so takes its rank down
-    before it saves its stop checkpoint. But the rank ends leftover workers with SIGTERM as it exits, so a thread
-    waits for SIGTERM and obeys it from the rank."""
-    for sig in STOP_SIGNALS:
-        if sig != signal.SIGTERM:
-            signal.signal(sig, signal.SIG_IGN)
+    """In each DataLoader worker: ignore the stop signals that launchers send the rank's whole process group (a
+    worker killed so takes its rank down before its stop checkpoint), but obey a SIGTERM from the rank itself."""
+    for sig in set(STOP_SIGNALS) - {signal.SIGTERM}:
+        signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started next inherit it
     threading.Thread(target=exit_on_sigterm_from, args=(os.getppid(),), daemon=True).start()
 
@@ -306,10 +288,8 @@ def exit_on_sigterm_from(rank_pid: int) -> None:
 
 
 class Supervisor:
-    """Runs commands (sweep.py's runs) one at a time, each in a session of its own, and hands it the stop signals
-    this process gets inside `with Supervisor() as supervisor:`. A terminal's Ctrl-C thus reaches this process
-    only, which passes one signal on (and a second Ctrl-C), then waits while the child saves its stop checkpoint.
-    If this process dies without a word (kill -9), the kernel sends the child SIGTERM (Linux)."""
+    """Runs commands (sweep.py's runs) one at a time, each in a session of its own, passing on the stop signals this
+    process gets inside `with Supervisor() as supervisor:`; if it dies (kill -9), the child gets SIGTERM (Linux)."""
 
     def __init__(self):
         self.child = None  # the command running, if any
@@ -330,8 +310,7 @@ class Supervisor:
         return self.received[0].name if self.received else ""
 
     def run(self, command: list[str], env: dict | None = None) -> str:
-        """How the command ended: "ok" (exit 0), "stopped" (its exit code STOPPED_EXIT_CODE, or any but 0 after a
-        signal was passed on to it), or "exit N" (-N: killed by signal N)."""
+        """How it ended: "ok" (exit 0), "stopped" (STOPPED_EXIT_CODE, or not 0 after a signal passed on), "exit N"."""
         self.passed = 0
         set_up = terminated_with_parent(os.getpid())
         self.child = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=set_up)
@@ -347,12 +326,9 @@ class Supervisor:
         self.pass_on()
 
     def pass_on(self) -> None:
-        """To the child's process group, as a terminal sends it: the first stop signal, then a second SIGINT
-        (stop now, without a checkpoint); no more."""
-        if self.child is None or len(self.received) <= self.passed:
-            return
-        sent = self.received[0] if self.passed == 0 else self.received[-1]
-        if self.passed == 0 or (self.passed == 1 and sent == signal.SIGINT):
+        """To the child's process group, as a terminal would: the first stop signal, then a SIGINT (stop now)."""
+        due = self.received[:1] + ([signal.SIGINT] if signal.SIGINT in self.received[1:] else [])
+        for sent in due[self.passed :] if self.child is not None else ():
             self.passed += 1
             with contextlib.suppress(ProcessLookupError):  # it has just exited
                 os.killpg(self.child.pid, sent)
@@ -362,8 +338,7 @@ PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its paren
 
 
 def terminated_with_parent(parent: int) -> Callable[[], None]:
-    """For a child of `parent` between its fork and its exec (preexec_fn): SIGTERM when `parent` dies, and at once
-    if it died before this was set."""
+    """A preexec_fn: the child gets SIGTERM when `parent` dies, at once if it died before this was set."""
     libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
     def set_up() -> None:

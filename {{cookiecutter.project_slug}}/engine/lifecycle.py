@@ -1,63 +1,26 @@
-"""A run's life from start to stop: one run per output_dir (RunLock), and a clean stop
-when asked (StopRequest, Supervisor).
+"""A run's life: one run per output_dir (RunLock), and a clean stop when asked (StopRequest, Supervisor).
 
-One run per output_dir: a second run started on the same folder (a double submit, a
-requeue race) would write checkpoints and metrics beside the first.
+One run per output_dir, so a second one (a double submit, a requeue race) never writes beside the first: rank 0
+creates <output_dir>/run.lock whole and exclusively, naming the holder's host, pid, launch and which start of the
+launch it is, and refreshes it every HEARTBEAT_S. A lock on disk is taken over when its holder is gone (an earlier
+start of the same SLURM job or torchrun launch; no live process with its pid on this host; no heartbeat for
+STALE_S, as from a dead node); else the run refuses at once, naming the holder. A torchrun launch is its run id
+(which two launches may share) with its store's address (which moves if rank 0 does on a restart): a holder with
+the same id from another host and store is watched, refused on a heartbeat and taken over after STALE_S of silence.
 
-Rank 0 creates <output_dir>/run.lock atomically (O_EXCL) before anything else is
-written there. It names the holder's host, pid, start time, launch and which start of
-the launch it is, and rank 0 refreshes its modification time every HEARTBEAT_S seconds
-from a background thread.
-
-A lock found on disk is taken over, not obeyed, when its holder is gone:
-- an earlier start of the same launch: the same SLURM job before a requeue (a lower
-  SLURM_RESTART_COUNT), or the same torchrun launch before an elastic restart (a lower
-  TORCHELASTIC_RESTART_COUNT), whose processes are dead or being replaced. Two runs of
-  one start (two terminals in one salloc) are told apart by the rules below, like any two;
-- the same host, and no process with the holder's pid is alive (a kill -9, a crash);
-- any host, and the lock has not been refreshed for STALE_S seconds (a dead node: on a
-  shared file system another node cannot look up the holder's pid, but it can see
-  that the heartbeat stopped; an empty or unreadable lock, which no run of this
-  version leaves, goes the same way).
-Otherwise the run refuses at once, naming the holder. A lock left by a dead node on
-another host therefore blocks for at most STALE_S seconds.
-
-A torchrun launch is its run id (`--rdzv_id`) and the store its agents serve the workers
-(MASTER_ADDR:MASTER_PORT). The id alone is not enough: it is whatever the command line
-says, so two launches of one script share it. The store lives exactly as long as one
-launch, and a restart keeps it unless rank 0 moved to another node. Such a holder (the
-same run id, another store, another host) may be either kind, so it is watched: a
-heartbeat means a second launch, refused; silence for STALE_S means a restart, which
-takes the lock over.
-
-Stop cleanly when asked: SIGTERM (torchrun, SLURM, Kubernetes), SIGINT (Ctrl-C) or
-SIGUSR1 (SLURM's `--signal` warning before the time limit); or when the launcher is gone.
-
-A signal may reach one process or all of them. Each process only notes it; at agreed
-optimizer steps, or rounds of evaluation batches, all ranks compare notes (one tiny
-all-reduce) and stop together, so rank 0 writes a step checkpoint that the next run
-resumes from exactly (a stopped evaluation runs again). torchrun kills workers
-30 s after its SIGTERM, so stopping must take well under that: under a second plus one
-step and one save.
-
-A launcher that dies without a word (torchrun's agent or srun's step killed with -9, an
-out-of-memory kill) sends nothing, and its workers live in sessions of their own: they
-would train on unsupervised, holding their GPUs. So each rank started by a launcher
-watches its parent process. When it goes, the rank notes a stop as for a signal, and
-exits by itself ORPHAN_GRACE_S later if the stop could not finish by then (a rank stuck
-in a collective with a dead peer). Its DataLoader workers follow: they exit when their
-rank does. A plain `python train.py` is not watched: its parent is a shell, which may
-close on purpose (nohup).
-
-A process stopped so (by a signal, or its launcher's loss) exits STOPPED_EXIT_CODE: run
-the same command to continue. A stop at train.stop_at_step is the end asked for: exit 0.
-
-Supervisor runs child commands (sweep.py's runs) so that the same stops reach them.
+A clean stop on SIGTERM (torchrun, SLURM), SIGINT (Ctrl-C), SIGUSR1 (SLURM's warning before the time limit) or
+the launcher's death. A signal may reach any of the processes: each only notes it, and at agreed optimizer steps
+(or rounds of evaluation batches) the ranks compare notes in one tiny all-reduce and stop together, rank 0 saving
+a checkpoint the next run resumes from exactly; well within the 30 s torchrun gives before SIGKILL. A launcher
+killed with -9 sends nothing, and its workers would train on, holding their GPUs: each rank a launcher started
+watches its parent, stops when it goes and exits ORPHAN_GRACE_S later if still there (`python train.py` is not
+watched: its shell may close on purpose). Such a stop exits STOPPED_EXIT_CODE; one at train.stop_at_step, 0.
 """
 
 import contextlib
 import ctypes
 import datetime
+import functools
 import json
 import os
 import signal
@@ -81,34 +44,6 @@ WATCH_S = 1.0  # how often a possible restart looks at its predecessor's heartbe
 LOCK_NAME = "run.lock"
 
 
-def this_launch() -> str:
-    """What survives a restart of the same job, and only of it: SLURM's job id;
-    torchrun's run id with its store's address ("" for a run id torchrun made up)."""
-    job = os.environ.get("SLURM_JOB_ID")
-    if job:
-        return f"slurm:{job}"
-    torchrun = torchrun_launch()
-    return f"torchrun:{torchrun}" if torchrun else ""
-
-
-def torchrun_launch() -> str:
-    """torchrun's run id with its store's address, "" without one (or an id torchrun made up)."""
-    run_id = os.environ.get("TORCHELASTIC_RUN_ID")
-    if not run_id or run_id == "none":
-        return ""
-    return f"{run_id}@{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
-
-
-def this_start() -> dict:
-    """Which start of its launch this run is: SLURM counts the job's requeues; torchrun the
-    restarts of its launch (within one start of a SLURM job, for srun torchrun)."""
-    return {
-        "requeues": count(os.environ.get("SLURM_RESTART_COUNT")),  # unset until the first requeue
-        "torchrun": torchrun_launch(),
-        "restarts": count(os.environ.get("TORCHELASTIC_RESTART_COUNT")),
-    }
-
-
 def count(value) -> int:
     """A restart count as written (a string in the environment, a number in a lock); 0 if none."""
     text = str(value)
@@ -120,22 +55,28 @@ class RunLock:
 
     def __init__(self, output_dir: str | Path):
         self.path = Path(output_dir) / LOCK_NAME
+        run_id, job = os.environ.get("TORCHELASTIC_RUN_ID"), os.environ.get("SLURM_JOB_ID")
+        store = f"{os.environ.get('MASTER_ADDR')}:{os.environ.get('MASTER_PORT')}"
+        torchrun = f"{run_id}@{store}" if run_id not in (None, "", "none") else ""  # "none": an id torchrun made up
         self.me = {
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            "launch": this_launch(),
-            **this_start(),
+            # What survives a restart of the same launch, and only of it.
+            "launch": f"slurm:{job}" if job else f"torchrun:{torchrun}" if torchrun else "",
+            # Which start of it this is: the SLURM job's requeues, the torchrun launch's restarts.
+            "requeues": count(os.environ.get("SLURM_RESTART_COUNT")),  # unset until the first requeue
+            "torchrun": torchrun,
+            "restarts": count(os.environ.get("TORCHELASTIC_RESTART_COUNT")),
         }
         self.stop = threading.Event()
-        self.thread = None
 
     def acquire(self) -> "RunLock":
         self.path.parent.mkdir(parents=True, exist_ok=True)
         first_look = None  # (holder, modification time) of a holder being watched
         while not self.try_create():
             holder, modified = self.read_holder(), self.modified()
-            if holder is not None and not self.is_stale(holder):
+            if holder is not None and not self.is_stale(holder, modified):
                 if self.may_be_my_restart(holder) and first_look in (None, (holder, modified)):
                     first_look = first_look or (holder, modified)
                     time.sleep(WATCH_S)  # until it is stale, or a heartbeat shows it alive
@@ -143,15 +84,11 @@ class RunLock:
                 raise self.in_use(holder)
             if self.read_holder() == holder:  # stale, and not replaced meanwhile: take it over
                 self.path.unlink(missing_ok=True)
-        self.thread = threading.Thread(target=self.heartbeat, name="run-lock-heartbeat", daemon=True)
-        self.thread.start()
+        threading.Thread(target=self.heartbeat, name="run-lock-heartbeat", daemon=True).start()
         return self
 
     def try_create(self) -> bool:
-        """Create the lock, whole or not at all (files.create_whole): written beside it, then
-        linked into place, which fails if a lock exists (without hard links: created
-        exclusively, then copied). A lock that could not be written (a full disk) is
-        removed, never left empty, where it would block the next start as a live holder's."""
+        """Create the lock whole or not at all: a full disk never leaves an empty one to block the next start."""
         try:
             create_whole(self.path, lambda f: f.write(json.dumps(self.me).encode()))
         except FileExistsError:
@@ -175,8 +112,7 @@ class RunLock:
         )
 
     def read_holder(self) -> dict | None:
-        """The holder as written; {} if it names none (empty: an older version's lock, or a
-        crashed file system's); None if gone meanwhile."""
+        """The holder as written; {} if it names none (an older version's lock); None if gone meanwhile."""
         try:
             holder = json.loads(self.path.read_text())
         except FileNotFoundError:
@@ -186,50 +122,34 @@ class RunLock:
         return holder if isinstance(holder, dict) and {"host", "pid"} <= holder.keys() else {}
 
     def modified(self) -> float | None:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             return self.path.stat().st_mtime
-        except FileNotFoundError:
-            return None
 
-    def is_stale(self, holder: dict) -> bool:
-        if self.earlier_start(holder):
-            return True
-        if holder.get("host") == self.me["host"] and not self.other_live_process(holder.get("pid")):
-            return True
-        modified = self.modified()
-        return modified is None or time.time() - modified > STALE_S
+    def is_stale(self, holder: dict, modified: float | None) -> bool:
+        # A holder with this process's pid is a dead one whose pid came back (in a container, every start).
+        pid = holder.get("pid")
+        dead_here = holder.get("host") == self.me["host"] and (pid == self.me["pid"] or not pid_alive(pid))
+        silent = modified is None or time.time() - modified > STALE_S
+        return self.earlier_start(holder) or dead_here or silent
 
     def earlier_start(self, holder: dict) -> bool:
-        """The holder is an earlier start of this run's launch: its SLURM job before a requeue,
-        or its torchrun launch before an elastic restart. Not a run of the same start."""
+        """An earlier start of this launch (not a run of the same start, e.g. two terminals in one salloc)."""
         if not holder.get("launch") or holder["launch"] != self.me["launch"]:
             return False
-        if count(holder.get("requeues")) != self.me["requeues"]:
-            return count(holder.get("requeues")) < self.me["requeues"]
         same_torchrun = bool(self.me["torchrun"]) and holder.get("torchrun") == self.me["torchrun"]
-        return same_torchrun and count(holder.get("restarts")) < self.me["restarts"]
-
-    def other_live_process(self, pid) -> bool:
-        """A live process of this host other than this one: a holder with this process's pid
-        is a dead one whose pid came back (in a container, the same few pids every start)."""
-        return pid != self.me["pid"] and pid_alive(pid)
+        start = (count(holder.get("requeues")), count(holder.get("restarts")) if same_torchrun else 0)
+        return start < (self.me["requeues"], self.me["restarts"] if same_torchrun else 0)
 
     def may_be_my_restart(self, holder: dict) -> bool:
-        """The same torchrun run id, another store, another host: a restart whose rank 0
-        moved to another node, or a second launch with the same --rdzv_id."""
+        """The same torchrun run id from another store and host: a restart whose rank 0 moved, or a second launch."""
         run_id = self.me["launch"].partition("@")[0]
-        return (
-            run_id.startswith("torchrun:")
-            and str(holder.get("launch", "")).partition("@")[0] == run_id
-            and holder.get("host") != self.me["host"]
-        )
+        same_id = str(holder.get("launch", "")).partition("@")[0] == run_id
+        return run_id.startswith("torchrun:") and same_id and holder.get("host") != self.me["host"]
 
     def heartbeat(self) -> None:
         while not self.stop.wait(HEARTBEAT_S):
-            try:
+            with contextlib.suppress(OSError):  # the next beat retries; a lock gone for good shows as stale
                 os.utime(self.path)
-            except OSError:
-                pass  # the next beat retries; a lock gone for good shows as stale to others
 
     def release(self) -> None:
         """Delete the lock if it is still ours (a stale take-over may have replaced it)."""
@@ -251,8 +171,7 @@ def pid_alive(pid) -> bool:
 
 
 def zombie(pid: int) -> bool:
-    """Dead but not yet reaped (a killed rank whose launcher died too waits for init):
-    signals still reach it, but it holds nothing."""
+    """Dead but not yet reaped (a killed rank whose launcher died too): signals reach it, but it holds nothing."""
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except (OSError, IndexError):
@@ -268,23 +187,20 @@ STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped before the end (a checkpoint if i
 
 
 class StopRequest:
-    """When to stop before the last epoch ends: on a stop signal to any rank, or at
-    train.stop_at_step. `requested(step)` says it identically on every rank."""
+    """When to stop before the last epoch ends, the same on every rank: on a stop signal, or at train.stop_at_step."""
 
     def __init__(self, timeout_minutes: float, stop_at_step: int = 0):
         self.stop_at_step = stop_at_step  # 0: none
         self.signal_name = ""
-        # Notes travel over a separate CPU (gloo) group, so comparing them never waits
-        # for the GPU.
-        self.group = None
-        if get_world_size() > 1:
-            self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(minutes=timeout_minutes))
+        # Notes travel over a CPU (gloo) group of their own: comparing them never waits for the GPU.
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        self.group = dist.new_group(backend="gloo", timeout=timeout) if get_world_size() > 1 else None
         self.between_steps = NoteComparison(self.group)
         self.parent = None  # the launcher's pid, when there is one to watch
         self.by_signal = False  # whether the ranks agreed on a stop by a signal (or the launcher's loss)
 
     def install(self, launcher: str) -> "StopRequest":
-        """Handle the stop signals; under a launcher (torchrun, srun), watch it too."""
+        """Handle the stop signals; under a launcher, watch it too."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self.handle)
         if launcher != "none":
@@ -292,13 +208,10 @@ class StopRequest:
             threading.Thread(target=self.watch_launcher, name="launcher-watch", daemon=True).start()
         return self
 
-    def launcher_gone(self) -> bool:
-        """Whether this process was handed to another parent: its launcher died."""
+    def launcher_gone(self) -> bool:  # handed to another parent: the launcher died
         return self.parent is not None and os.getppid() != self.parent
 
     def watch_launcher(self) -> None:
-        """Note a stop when the launcher is gone, and end the process if it is still here
-        ORPHAN_GRACE_S later."""
         while not self.launcher_gone():
             time.sleep(PARENT_CHECK_S)
         self.signal_name = self.signal_name or LAUNCHER_GONE
@@ -311,48 +224,30 @@ class StopRequest:
         self.signal_name = signal.Signals(signum).name
 
     def requested(self, step: int) -> bool:
-        """Whether to stop after optimizer step `step`. Every rank must call this after
-        every step."""
-        return self.agreed(step) or step == self.stop_at_step
+        """Whether to stop after optimizer step `step`; every rank must call this after every step."""
+        return self.noted_anywhere(self.between_steps, step) or step == self.stop_at_step
 
     def reason(self, step: int) -> str:
         if step == self.stop_at_step and not self.signal_name:
             return "at train.stop_at_step"
-        if self.signal_name:
-            return f"by {self.signal_name}"
-        return f"by {LAUNCHER_GONE if self.launcher_gone() else 'a signal to another process'}"
+        return f"by {self.signal_name or (LAUNCHER_GONE if self.launcher_gone() else 'a signal to another process')}"
 
-    def agreed(self, step: int) -> bool:
-        """Whether any rank got a stop signal. Every rank must call this after every step."""
-        self.by_signal = self.by_signal or self.between_steps.any_noted(bool(self.signal_name), step)
+    def noted_anywhere(self, comparison: "NoteComparison", count: int) -> bool:
+        self.by_signal = self.by_signal or comparison.any_noted(bool(self.signal_name), count)
         return self.by_signal
 
     def during_evaluation(self) -> Callable[[int], bool]:
-        """For one evaluation: whether any rank got a stop signal, asked after each round
-        of batches (round i: every rank's i-th batch). Every rank must ask at every round
-        that every rank has."""
-        comparison = NoteComparison(self.group)
-
-        def noted(batch_round: int) -> bool:
-            self.by_signal = self.by_signal or comparison.any_noted(bool(self.signal_name), batch_round)
-            return self.by_signal
-
-        return noted
+        """For one evaluation: whether any rank got a stop signal, asked by every rank after each round of batches."""
+        return functools.partial(self.noted_anywhere, NoteComparison(self.group))
 
     def exit_code(self) -> int:
-        """The run's exit code after its stop, the same on every rank: STOPPED_EXIT_CODE for
-        a stop by a signal or the launcher's loss, 0 for the planned one at train.stop_at_step."""
+        """The same on every rank: STOPPED_EXIT_CODE after a stop by a signal or the launcher's loss, else 0."""
         return STOPPED_EXIT_CODE if self.by_signal else 0
 
 
 class NoteComparison:
-    """Ranks compare their notes (a stop signal or not) at counts they agree on: optimizer
-    steps, or rounds of evaluation batches.
-
-    They compare only every ~CHECK_EVERY_SECONDS: rank 0 proposes the next count to
-    compare at from its rate, inside the same all-reduce, so every rank knows it and no
-    clock has to agree; the interval at most doubles from one comparison to the next.
-    """
+    """Ranks compare notes (a stop signal or not) at counts they agree on, every ~CHECK_EVERY_SECONDS: rank 0
+    proposes the next count from its rate inside the same all-reduce, so no clock has to agree."""
 
     def __init__(self, group):
         self.group = group  # None: one process, nothing to compare
@@ -365,32 +260,23 @@ class NoteComparison:
         if count < self.next_check:
             return False
         now = time.monotonic()
-        if self.last_check is None:  # the first count: no rate known yet
-            proposal = count + 1
-        else:
+        ahead = 1  # the first count: no rate known yet
+        if self.last_check is not None:
             last_count, last_time = self.last_check
             per_second = (count - last_count) / max(now - last_time, 1e-6)
-            # At most twice the last interval: a burst (prefetched batches) would otherwise
-            # propose a count far past the evaluation's or the epoch's end, never reached.
+            # At most twice the last interval: a burst (prefetched batches) could propose a count never reached.
             ahead = min(max(1, int(per_second * CHECK_EVERY_SECONDS)), 2 * (count - last_count))
-            proposal = count + ahead
-        any_noted, next_check = vote([float(noted), float(proposal if is_main() else 0)], "max", self.group)
+        any_noted, next_check = vote([float(noted), float(count + ahead if is_main() else 0)], "max", self.group)
         self.next_check = int(next_check)
         self.last_check = (count, now)
         return bool(any_noted)
 
 
 def leave_stop_signals_to_the_rank(worker_id: int) -> None:
-    """In each DataLoader worker: ignore the stop signals unless its rank sends them.
-
-    Launchers signal a rank's whole process group (torchrun's SIGTERM, SLURM's SIGUSR1),
-    workers included; a worker killed by one takes its rank down with a traceback before
-    the rank can save its stop checkpoint. But the rank itself ends leftover workers with
-    SIGTERM when it exits, so a SIGTERM from the rank is still obeyed: a thread waits for
-    SIGTERM and reads who sent it."""
-    for sig in STOP_SIGNALS:
-        if sig != signal.SIGTERM:
-            signal.signal(sig, signal.SIG_IGN)
+    """In each DataLoader worker: ignore the stop signals that launchers send the rank's whole process group (a
+    worker killed so takes its rank down before its stop checkpoint), but obey a SIGTERM from the rank itself."""
+    for sig in set(STOP_SIGNALS) - {signal.SIGTERM}:
+        signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started next inherit it
     threading.Thread(target=exit_on_sigterm_from, args=(os.getppid(),), daemon=True).start()
 
@@ -402,12 +288,8 @@ def exit_on_sigterm_from(rank_pid: int) -> None:
 
 
 class Supervisor:
-    """Runs commands one at a time, each in a session of its own, and hands it the stop
-    signals this process gets. A terminal's Ctrl-C thus reaches this process only, which
-    passes one signal on (and a second Ctrl-C, train.py's "stop now"), then waits while the
-    child saves its stop checkpoint and exits. If this process dies without a word (kill
-    -9), the kernel sends the child SIGTERM (Linux), which stops it as any SIGTERM does.
-    Inside `with Supervisor() as supervisor:`, the stop signals are handled so."""
+    """Runs commands (sweep.py's runs) one at a time, each in a session of its own, passing on the stop signals this
+    process gets inside `with Supervisor() as supervisor:`; if it dies (kill -9), the child gets SIGTERM (Linux)."""
 
     def __init__(self):
         self.child = None  # the command running, if any
@@ -428,12 +310,10 @@ class Supervisor:
         return self.received[0].name if self.received else ""
 
     def run(self, command: list[str], env: dict | None = None) -> str:
-        """How the command ended: "ok" (exit 0), "stopped" (its exit code STOPPED_EXIT_CODE,
-        or any but 0 after a signal was passed on to it), or "exit N" (-N: killed by signal N)."""
+        """How it ended: "ok" (exit 0), "stopped" (STOPPED_EXIT_CODE, or not 0 after a signal passed on), "exit N"."""
         self.passed = 0
-        self.child = subprocess.Popen(
-            command, env=env, start_new_session=True, preexec_fn=terminated_with_parent(os.getpid())
-        )
+        set_up = terminated_with_parent(os.getpid())
+        self.child = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=set_up)
         self.pass_on()  # a signal that came while it started
         code = self.child.wait()
         self.child = None
@@ -446,27 +326,19 @@ class Supervisor:
         self.pass_on()
 
     def pass_on(self) -> None:
-        """To the child's process group, as a terminal sends it: the first stop signal, then
-        a second SIGINT (stop now, without a checkpoint); no more."""
-        if self.child is None or self.passed == len(self.received):
-            return
-        if self.passed == 0:
-            sent = self.received[0]
-        elif self.passed == 1 and self.received[-1] == signal.SIGINT:
-            sent = signal.SIGINT
-        else:
-            return
-        self.passed += 1
-        with contextlib.suppress(ProcessLookupError):  # it has just exited
-            os.killpg(self.child.pid, sent)
+        """To the child's process group, as a terminal would: the first stop signal, then a SIGINT (stop now)."""
+        due = self.received[:1] + ([signal.SIGINT] if signal.SIGINT in self.received[1:] else [])
+        for sent in due[self.passed :] if self.child is not None else ():
+            self.passed += 1
+            with contextlib.suppress(ProcessLookupError):  # it has just exited
+                os.killpg(self.child.pid, sent)
 
 
 PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its parent dies (Linux)
 
 
 def terminated_with_parent(parent: int) -> Callable[[], None]:
-    """For a child of `parent` between its fork and its exec (subprocess's preexec_fn): it
-    gets SIGTERM when `parent` dies, and at once if `parent` died before this was set."""
+    """A preexec_fn: the child gets SIGTERM when `parent` dies, at once if it died before this was set."""
     libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
     def set_up() -> None:

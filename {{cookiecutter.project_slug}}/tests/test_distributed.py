@@ -9,7 +9,6 @@ from conftest import FAST, free_port, run_script, start_script, wait_for_line
 from engine.distributed import (
     DistEnv,
     check_gloo_address,
-    expand_nodelist,
     multi_node,
     parse_dist_env,
     process_group_env,
@@ -24,7 +23,7 @@ from engine.parallel import use_sync_batchnorm
 
 def test_plain_python_is_one_process():
     assert parse_dist_env({}) == DistEnv()
-    assert not parse_dist_env({}).distributed
+    assert parse_dist_env({}).launcher == "none"
 
 
 # What torchrun gives a process (among others): its rank, and where rank 0 serves the store.
@@ -171,18 +170,22 @@ def test_ranks_that_torchrun_or_srun_started_wait_without_a_word():
 
 
 @pytest.mark.parametrize(
-    "nodelist, hosts",
+    "nodelist, master",
     [
-        ("node01", ["node01"]),
-        ("node[01-04,07]", ["node01", "node02", "node03", "node04", "node07"]),
-        ("gpu[9-11]", ["gpu9", "gpu10", "gpu11"]),
-        ("a[1-2],b7,c[003,010]", ["a1", "a2", "b7", "c003", "c010"]),
-        ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
-        ("host-a,host-b", ["host-a", "host-b"]),
+        ("node01", "node01"),
+        ("node[01-04,07]", "node01"),
+        ("gpu[9-11]", "gpu9"),
+        ("a[1-2],b7,c[003,010]", "a1"),
+        ("c[003,010],a[1-2]", "c003"),
+        ("rack[1-2]-n[3-4]", "rack1-n3"),
+        ("host-a,host-b", "host-a"),
+        ("", "127.0.0.1"),
     ],
 )
-def test_nodelist_forms(nodelist, hosts):
-    assert expand_nodelist(nodelist) == hosts
+def test_an_srun_task_meets_at_the_first_host_of_the_node_list(nodelist, master):
+    assert parse_dist_env({**SRUN_TASK, "SLURM_JOB_NODELIST": nodelist}).master_addr == master
+    step = {**SRUN_TASK, "SLURM_STEP_NODELIST": nodelist, "SLURM_JOB_NODELIST": "other[1-9]"}
+    assert parse_dist_env(step).master_addr == master  # this step's nodes, not the job's
 
 
 def test_backend_and_device_selection():

@@ -1,19 +1,12 @@
-"""An exponential moving average (EMA) of the model's weights (ema.decay), evaluated beside
-them (its metrics as ema_val_*) and saved beside them in checkpoints (evaluate.py
---weights ema evaluates it alone).
+"""An exponential moving average (EMA) of the model's weights (ema:), evaluated beside them
+(ema_val_*), saved in checkpoints, and evaluated alone by evaluate.py --weights ema.
 
-Every ema.every_steps optimizer steps: ema = decay x ema + (1 - decay) x weights, one fused
-op on the device, no host sync. Until ema.start_step (or ema.warmup_epochs) it simply
-follows the weights. With ema.adjust, ema.decay is read as torchvision's classification
-recipe gives it: the decay used is 1 - (1 - decay) x effective batch x every_steps /
-train.epochs, so the averaged share of the run stays the same whatever the processes,
-batch or epochs. The
-average covers the model's state dict (parameters and persistent buffers; integer
-buffers such as BatchNorm's batch count are copied). Under FSDP it holds each tensor
-sharded like the model, so no rank holds the whole average either.
-
-To evaluate it, `swapped_into_model()` exchanges it with the model's weights in place
-(exact copies, both ways), so the same model, sharded or not, evaluates either.
+Every ema.every_steps steps: ema = decay x ema + (1 - decay) x weights, one fused op on the
+device; until ema.start_step (or ema.warmup_epochs) it follows the weights. ema.adjust reads
+ema.decay as torchvision's recipe does: 1 - (1 - decay) x effective batch x every_steps /
+train.epochs, the same share of the run at any number of processes. It covers the model's
+state dict (integer buffers copied){% if cookiecutter.fsdp %}, sharded like the model under FSDP{% endif %}; `swapped_into_model()`
+exchanges it with the weights in place, exactly, so the same model evaluates either.
 """
 
 import contextlib

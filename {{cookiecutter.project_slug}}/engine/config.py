@@ -1,25 +1,19 @@
 """The run configuration: one typed schema, each default written once, beside its meaning.
 
-The schema is made of sections, each a dataclass. `data` (DataConfig in data.py),
-`model` (ModelConfig in model.py) and `optim` (OptimConfig in recipe.py) are the
-project's; `train`, `checkpoint` and `dist` below belong to the machinery,
-and each optional part has its own (in engine/parts). config.yaml holds
-only what a project sets differently from these defaults; `python train.py --print-config`
-shows every key with its value and meaning, and each run saves that in
-output_dir/config.yaml.
+Its sections are dataclasses: `train`, `checkpoint` and `dist` here, the project's `data`,
+`model` and `optim` (data.py, model.py, recipe.py) and each part's (engine/parts).
+config.yaml holds what differs from the defaults; `section.key=value` overrides follow,
+each key once. Both read a value as YAML 1.2's core schema does (010 is 10, 0o10 is 8,
+1:00 and yes are text). An unknown key or a wrong value is a ConfigError naming the key.
+`python train.py --print-config` shows every key with its value and meaning, as each run
+saves them in output_dir/config.yaml.
 
-Values come from the YAML file, then from `section.key=value` overrides on the command
-line, each key once. Both read a value as YAML 1.2's core schema does (010 is 10, 0o10 is
-8, 1:00, 1_000 and yes are text; booleans are true and false). A key the schema does not
-know, a value of the wrong type or an invalid value is a `ConfigError` that names the key;
-the entry points turn it into one line and exit code 2.
-
-A field's type is bool, int, float, str, list[T], tuple[T, ...], a fixed tuple[T1, T2],
-T | None (null in YAML), Literal["a", "b"] or a dataclass (a sub-section, `model.head.x=1`),
-with T any of these. On the command line a list, tuple or section is written as in YAML:
-`model.widths=[32,64]`.
+A field's type is bool, int, float, str, list[T], tuple[T, ...], tuple[T1, T2], T | None,
+Literal["a", "b"] or a dataclass (a sub-section: `model.head.x=1`). On the command line a
+list or a section is written as in YAML: `model.widths=[32,64]`.
 """
 
+import contextlib
 import copy
 import dataclasses
 import difflib
@@ -128,9 +122,8 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
-    # The project's sections (data, model, optim) and the parts' (engine/parts), by name:
-    # cfg.data is cfg.sections["data"].
-    sections: dict[str, Any] = field(default_factory=dict)
+    # The project's sections (data, model, optim) and the parts', by name: cfg.data is cfg.sections["data"].
+    sections: dict[str, Any] = field(default_factory=dict, init=False)
 
     def __post_init__(self):
         check_positive("seed", self.seed, allow_zero=True)
@@ -159,8 +152,7 @@ def check_choice(key: str, value: str, choices: tuple[str, ...]) -> None:
 def check_positive(key: str, value: float, allow_zero: bool = False) -> None:
     # Asked as "is it in range?", not "is it out of range?": NaN fails every comparison.
     if not (value > 0 or (allow_zero and value == 0)):
-        bound = ">= 0" if allow_zero else "> 0"
-        raise ConfigError(f"{key} must be {bound}, got {shown(value)}")
+        raise ConfigError(f"{key} must be {'>= 0' if allow_zero else '> 0'}, got {shown(value)}")
 
 
 # Beyond any real run, and within what timedelta and the step counts can hold.
@@ -173,8 +165,7 @@ def check_at_most(key: str, value: float, limit: float) -> None:
 
 
 class ShortRepr(reprlib.Repr):
-    """repr with every part bounded: a few items and levels of a container, the middle of
-    a long string left out, an integer too long to print by its size."""
+    """A repr of bounded length and work: a YAML alias bomb of 300 bytes is 9**9 strings in full."""
 
     def __init__(self):
         super().__init__()
@@ -188,25 +179,19 @@ class ShortRepr(reprlib.Repr):
         return super().repr_int(value, level)
 
 
-SHOWN_LENGTH = 80
-
-
 def shown(value) -> str:
-    """`value` as config errors show it: its repr cut short. Bounded work too, not just a
-    bounded line: a YAML alias bomb of 300 bytes is a list of 9**9 strings in full."""
+    """`value` as config errors show it: its repr, cut short."""
     text = ShortRepr().repr(value)
-    return text if len(text) <= SHOWN_LENGTH else text[: SHOWN_LENGTH - 3] + "..."
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def load_config(path: str | Path | None, overrides: list[str] = (), *, base: dict | None = None, **sections) -> Config:
-    """The config from a YAML file with `a.b=value` overrides applied. `sections`: the
-    project's own section classes by name (data=DataConfig, model=ModelConfig,
-    optim=OptimConfig); the parts' are added (engine/parts).
-
-    Without a file, start from `base` (e.g. a checkpoint's stored config) or the defaults.
-    """
+    """The config from a YAML file, or else from `base` (a checkpoint's stored config) or the
+    defaults, with `a.b=value` overrides applied. `sections`: the project's section classes
+    by name (data=DataConfig, model=ModelConfig, optim=OptimConfig); the parts' are added."""
     sections = sections | parts.sections()
-    schema = section_types(Config, sections)
+    known = all_keys(Config, sections)
+    schema = sections | field_types(Config)
     values = read_yaml(Path(path)) if path is not None else without_retired_keys(copy.deepcopy(base or {}), schema)
     given = {}
     for override in overrides:
@@ -220,16 +205,14 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, base: dic
             )
         given[key] = raw
         set_dotted(values, key, raw)
-    for name, kind in schema.items():
-        check_type(name, kind)
     try:
-        return build(Config, values, prefix="", schema=schema)
-    except UnknownKey as error:  # suggested from every key of the schema, the task's sections too
-        raise ConfigError(unknown_key_message(error, all_keys(Config, sections))) from None
+        return build(Config, values, "", schema)
+    except UnknownKey as error:
+        raise ConfigError(unknown_key_message(error.key, known)) from None
 
 
-# Keys that moved (old: new), for a config written before: train.* went to optim:{% if cookiecutter.ema or cookiecutter.early_stopping or cookiecutter.freezing or cookiecutter.profiler or cookiecutter.tracking or cookiecutter.fsdp %} and to
-# the parts' sections when those came{% if cookiecutter.fsdp %} (train.strategy=fsdp is fsdp.enabled=true now){% endif %}{% endif %}.
+# Keys that moved (old: new), for a config written before: train.* went to optim{% if cookiecutter.ema or cookiecutter.early_stopping or cookiecutter.freezing or cookiecutter.profiler or cookiecutter.tracking or cookiecutter.fsdp %}
+# and to the parts' sections{% endif %}.
 MOVED_KEYS = {
     **{f"train.{key}": f"optim.{key}" for key in ("lr", "momentum", "weight_decay", "scale_lr", "reference_batch")},
     **{f"train.{key}": f"optim.{key}" for key in ("schedule", "warmup_epochs", "step_every_epochs", "step_gamma")},
@@ -264,15 +247,20 @@ MOVED_KEYS = {
 NEW_VALUES = {{ '{"train.strategy": "set fsdp.enabled=true for strategy fsdp, false for ddp"}' if cookiecutter.fsdp else '{}' }}
 
 
-def unknown_key_message(error: "UnknownKey", known: list[str]) -> str:
-    """Where a moved key went, or the known key closest to what was typed, if one is close."""
-    moved = MOVED_KEYS.get(error.key)
-    if moved is None:
-        return f"{error}{suggestion(error.key, known)}"
-    section = moved.split(".")[0]
-    fix = NEW_VALUES.get(error.key, "rename it")
-    fix = fix if moved in known else f"this project was generated without the {section} part"
-    return f"config key {error.key!r} moved to {moved!r}; {fix}"
+def unknown_key_message(key: str, known: list[str]) -> str:
+    """Where a moved key went, or the known key closest to the one typed: the one key of the
+    same name in another section (model.lr: optim.lr), or one a typo or two away."""
+    moved = MOVED_KEYS.get(key)
+    if moved is not None:
+        fix = NEW_VALUES.get(key, "rename it")
+        fix = fix if moved in known else f"this project was generated without the {moved.split('.')[0]} part"
+        return f"config key {key!r} moved to {moved!r}; {fix}"
+    leaf = key.rsplit(".", 1)[-1]
+    same_name = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
+    close = same_name if len(same_name) == 1 else difflib.get_close_matches(key, known, n=1, cutoff=0.8)
+    if close and "[" not in key:  # a key in a list's item: the schema's keys name no items
+        return f"unknown config key {shown(key)} (did you mean {close[0]!r}?)"
+    return f"unknown config key {shown(key)}"
 
 
 def without_retired_keys(values: dict, schema: dict[str, type]) -> dict:
@@ -283,26 +271,12 @@ def without_retired_keys(values: dict, schema: dict[str, type]) -> dict:
         kind = schema.get(name)
         if kind is None:
             del values[name]
-        elif is_machinery_section(kind) and isinstance(values[name], dict):
-            known = {f.name for f in dataclasses.fields(kind)}
-            values[name] = {key: value for key, value in values[name].items() if key in known}
+        elif kind.__module__.startswith("engine.") and isinstance(values[name], dict):  # a machinery section
+            values[name] = {key: value for key, value in values[name].items() if key in kind.__dataclass_fields__}
     return values
-
-
-def is_machinery_section(kind) -> bool:
-    return dataclasses.is_dataclass(kind) and kind.__module__.startswith("engine.")
 
 
 def read_yaml(path: Path) -> dict:
-    values = parse_yaml(read_text(path), path)
-    if values is None:
-        return {}
-    if not isinstance(values, dict):
-        raise ConfigError(f"{path}: expected a mapping of keys to values at the top level")
-    return values
-
-
-def read_text(path: Path) -> str:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -310,20 +284,14 @@ def read_text(path: Path) -> str:
     except OSError as error:
         raise ConfigError(f"cannot read config file {str(path)!r}: {error.strerror}") from None
     try:
-        return data.decode("utf-8")  # not the machine's locale: a config reads the same anywhere
+        text = data.decode("utf-8")  # not the machine's locale: a config reads the same anywhere
+        values = load_yaml(text)
     except UnicodeDecodeError as error:
         line = data.count(b"\n", 0, error.start) + 1
         raise ConfigError(
             f"config file {str(path)!r} is not UTF-8 text: byte {data[error.start]:#04x} at position "
             f"{error.start} (line {line}) is not valid there; save the file as UTF-8"
         ) from None
-
-
-def parse_yaml(text: str, path: Path):
-    try:
-        return load_yaml(text)
-    except RefusedYaml as error:
-        raise ConfigError(f"{path} line {error.problem_mark.line + 1}: {error.problem}") from None
     except yaml.reader.ReaderError as error:  # a control character, found before any parsing
         line = text.count("\n", 0, error.position) + 1
         raise ConfigError(f"{path} line {line}: character U+{error.character:04X} is not allowed in YAML") from None
@@ -331,7 +299,11 @@ def parse_yaml(text: str, path: Path):
         mark = getattr(error, "problem_mark", None)
         where = f" line {mark.line + 1}" if mark else ""
         problem = getattr(error, "problem", None) or "invalid YAML"
-        raise ConfigError(f"{path}{where}: YAML syntax error: {problem}") from None
+        syntax = "" if isinstance(error, RefusedYaml) else "YAML syntax error: "
+        raise ConfigError(f"{path}{where}: {syntax}{problem}") from None
+    if not isinstance(values, dict | None):
+        raise ConfigError(f"{path}: expected a mapping of keys to values at the top level")
+    return values or {}
 
 
 # YAML 1.2's core schema (yaml.org/spec/1.2.2, 10.3): how a plain (unquoted) scalar's text
@@ -349,8 +321,9 @@ def read_float(text: str) -> float:
     return float(text)
 
 
+NULL = "tag:yaml.org,2002:null"
 CORE_SCHEMA = {
-    "tag:yaml.org,2002:null": (re.compile(r"null|Null|NULL|~|"), lambda text: None),
+    NULL: (re.compile(r"null|Null|NULL|~|"), lambda text: None),
     "tag:yaml.org,2002:bool": (re.compile(r"true|True|TRUE|false|False|FALSE"), lambda text: text.lower() == "true"),
     "tag:yaml.org,2002:int": (re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+"), read_int),
     "tag:yaml.org,2002:float": (
@@ -363,13 +336,6 @@ CORE_SCHEMA = {
 def core_tag(text: str) -> str | None:
     """The tag YAML 1.2's core schema gives a plain scalar's text; None for a string."""
     return next((tag for tag, (pattern, _) in CORE_SCHEMA.items() if pattern.fullmatch(text)), None)
-
-
-def read_scalar(text: str):
-    """A plain scalar's value as YAML 1.2's core schema reads it; ValueError for an integer
-    of more digits than Python converts (4300)."""
-    tag = core_tag(text)
-    return text if tag is None else CORE_SCHEMA[tag][1](text)
 
 
 def load_yaml(text: str):
@@ -385,8 +351,8 @@ class RefusedYaml(yaml.constructor.ConstructorError):
 
 
 class ConfigLoader(yaml.SafeLoader):
-    """yaml.safe_load's reading, stricter where a config needs it, with YAML 1.2's core
-    schema for plain scalars (merge keys, <<, still merge)."""
+    """yaml.safe_load's reading with YAML 1.2's core schema (merge keys, <<, still merge),
+    refusing a key written twice in a section: YAML would keep the last without a word."""
 
     def resolve(self, kind, value, implicit):
         if kind is yaml.ScalarNode and implicit[0] and value != "<<":
@@ -394,18 +360,15 @@ class ConfigLoader(yaml.SafeLoader):
         return super().resolve(kind, value, implicit)
 
     def construct_mapping(self, node, deep=False):
-        # YAML keeps the last of two equal keys without a word: a section written twice
-        # would lose the first one's values.
-        first_lines = {}
+        first = {}  # each key's line
         for key_node, _ in node.value:
             if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
                 continue  # merged keys (<<) may be overridden: that is what they are for
             key = self.construct_object(key_node)
-            first = first_lines.get(key)
-            if first is not None:
-                problem = f"key {shown(key)} is written twice in one section (first on line {first}); keep one"
+            if key in first:
+                problem = f"key {shown(key)} is written twice in one section (first on line {first[key]}); keep one"
                 raise RefusedYaml(None, None, problem, key_node.start_mark)
-            first_lines[key] = key_node.start_mark.line + 1
+            first[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep=deep)
 
     def construct_core_scalar(self, node):
@@ -417,8 +380,7 @@ class ConfigLoader(yaml.SafeLoader):
         try:
             return read(text)
         except ValueError:  # more digits than Python converts (4300)
-            problem = f"the number {shown(node.value)} is too long"
-            raise RefusedYaml(None, None, problem, node.start_mark) from None
+            raise RefusedYaml(None, None, f"the number {shown(text)} is too long", node.start_mark) from None
 
     yaml_constructors = {**yaml.SafeLoader.yaml_constructors, **dict.fromkeys(CORE_SCHEMA, construct_core_scalar)}
 
@@ -435,62 +397,24 @@ class ConfigDumper(yaml.SafeDumper):
 
 
 def set_dotted(values: dict, key: str, raw: str) -> None:
-    """Store the raw override string at `key`; `build` converts it to the field's type."""
+    """Store the raw override text at `key`; `convert` reads it as the field's type."""
     *sections, leaf = key.split(".")
     node = values
     for depth, section in enumerate(sections):
-        child = node.setdefault(section, {})
-        if not isinstance(child, dict):
+        node = node.setdefault(section, {})
+        if not isinstance(node, dict):
             raise ConfigError(f"{'.'.join(sections[: depth + 1])} is a value, not a section")
-        node = child
     node[leaf] = CliValue(raw)
 
 
 class CliValue(str):
-    """A value typed on the command line: converted from text to the field's type."""
+    """A value typed on the command line: text for a str field, else read as YAML."""
 
 
 def field_types(cls: type) -> dict[str, type]:
-    """Each field's type (not ClassVars such as may_change_on_resume: they are no keys),
-    but Config's `sections`, whose keys are the sections themselves."""
+    """Each key's type: the fields __init__ takes (not Config.sections, nor a ClassVar)."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init and not is_sections(cls, f.name)}
-
-
-def is_sections(cls: type, name: str) -> bool:
-    return cls is Config and name == "sections"
-
-
-def section_types(cls: type, sections: dict[str, type]) -> dict[str, type]:
-    """Each field's type; for Config, the project's and the parts' sections first."""
-    return (sections | field_types(cls)) if cls is Config else field_types(cls)
-
-
-class UnknownKey(ConfigError):
-    def __init__(self, key: str):
-        super().__init__(f"unknown config key {shown(key)}")
-        self.key = key
-
-
-def build(cls: type, values, prefix: str, schema: dict[str, type] | None = None):
-    """An instance of the dataclass `cls` from nested dicts, checking every key and type;
-    `schema`: its fields' types, where they are not its annotations (Config's task sections)."""
-    if not isinstance(values, dict):
-        raise ConfigError(f"{prefix.rstrip('.')} must be a section (key: value lines)")
-    schema = schema or field_types(cls)
-    for name in values:
-        if name not in schema:
-            raise UnknownKey(f"{prefix}{name}")
-    kwargs = {}
-    for name, kind in schema.items():
-        key = f"{prefix}{name}"
-        if dataclasses.is_dataclass(kind):  # a section: build it even when the file omits it
-            kwargs[name] = convert(key, values.get(name, {}), kind)
-        elif name in values:
-            kwargs[name] = convert(key, values[name], kind)
-    if cls is Config:
-        kwargs["sections"] = {name: kwargs.pop(name) for name in list(kwargs) if name not in field_types(Config)}
-    return cls(**kwargs)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
 
 
 SCALARS = (bool, int, float, str)
@@ -504,25 +428,33 @@ def optional_of(kind):
     return None
 
 
-def check_type(key: str, kind, field_kind=None) -> None:
-    """Refuse a field of a type that a config cannot read or write, before any value is read
-    (the field is wrong whatever the config says); `field_kind` is the whole type of the field
-    that `kind` is part of."""
+def all_keys(cls: type, sections: dict[str, type], prefix: str = "") -> list[str]:
+    """Every key of the dataclass `cls` with `sections` besides its fields (Config's), each
+    field's type checked: one a config cannot read or write is wrong whatever the config says."""
+    keys = []
+    for name, kind in (sections | field_types(cls)).items():
+        keys += key_of(f"{prefix}{name}", kind)
+    return keys
+
+
+def key_of(key: str, kind, whole=None) -> list[str]:
+    """The keys of a field of type `kind` (a sub-section's, else `key`), or a ConfigError for a
+    type a config cannot hold; `whole`: the field's type that `kind` is part of."""
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if dataclasses.is_dataclass(kind):
-        for name, sub in field_types(kind).items():
-            check_type(f"{key}.{name}", sub)
-    elif origin is typing.Literal and all(type(choice) in SCALARS for choice in args):
-        pass
-    elif (origin is list and len(args) == 1) or (origin is tuple and args) or optional_of(kind) is not None:
+        return all_keys(kind, {}, f"{key}.")
+    if optional_of(kind) is not None:
+        return key_of(key, optional_of(kind), whole or kind)
+    if (origin is list and len(args) == 1) or (origin is tuple and args):
         for arg in args:
-            if arg is not Ellipsis and arg is not type(None):
-                check_type(key, arg, field_kind or kind)
-    elif kind not in SCALARS:
+            if arg is not Ellipsis:
+                key_of(key, arg, whole or kind)  # an item's keys are not keys of the schema
+    elif not (kind in SCALARS or (origin is typing.Literal and all(type(choice) in SCALARS for choice in args))):
         raise ConfigError(
-            f"{key} has type {type_name(field_kind or kind)}, which a config cannot hold; use bool, int, float, "
+            f"{key} has type {type_name(whole or kind)}, which a config cannot hold; use bool, int, float, "
             "str, list[T], tuple[T, ...], tuple[T1, T2], T | None, Literal[...] or a dataclass (a sub-section)"
         )
+    return [key]
 
 
 def type_name(kind) -> str:
@@ -532,173 +464,119 @@ def type_name(kind) -> str:
     return repr(kind).replace("typing.", "")
 
 
+class UnknownKey(ConfigError):
+    def __init__(self, key: str):
+        super().__init__(f"unknown config key {shown(key)}")
+        self.key = key
+
+
+def build(cls: type, values, prefix: str, schema: dict[str, type] | None = None):
+    """An instance of the dataclass `cls` from nested dicts, every key and type checked;
+    `schema`: its keys' types, where more than its fields (Config's sections)."""
+    if not isinstance(values, dict):
+        raise ConfigError(f"{prefix.rstrip('.')} must be a section (key: value lines)")
+    schema = schema or field_types(cls)
+    for name in values:
+        if name not in schema:
+            raise UnknownKey(f"{prefix}{name}")
+    kwargs = {  # a section is built even where not written
+        name: convert(f"{prefix}{name}", values.get(name, {}), kind)
+        for name, kind in schema.items()
+        if name in values or dataclasses.is_dataclass(kind)
+    }
+    own = field_types(cls)
+    instance = cls(**{name: value for name, value in kwargs.items() if name in own})
+    if cls is Config:
+        instance.sections = {name: value for name, value in kwargs.items() if name not in own}
+    return instance
+
+
 def convert(key: str, value, kind):
     """`value` as `kind`, or a ConfigError naming the key (an item's as `key[i]`): every value
-    of every section, the task's too, comes through here, from the file, the command line or a
-    checkpoint's stored config."""
-    origin = typing.get_origin(kind)
+    of every section comes through here, from the file, the command line or a checkpoint."""
+    origin, args = typing.get_origin(kind), typing.get_args(kind)
     if optional_of(kind) is not None:
-        return None if is_null(value) else convert(key, value, optional_of(kind))
-    if origin is typing.Literal:
-        return as_choice(key, value, typing.get_args(kind))
+        null = value is None or (isinstance(value, CliValue) and core_tag(value.strip()) == NULL)
+        return None if null else convert(key, value, optional_of(kind))
+    if origin is typing.Literal:  # a choice of its own type: 1 is not True
+        for choice in args:
+            with contextlib.suppress(ConfigError):
+                if scalar(key, value, type(choice)) == choice:
+                    return choice
+        raise ConfigError(f"{key} must be one of {', '.join(map(str, args))}; got {shown(value)}")
     if kind in SCALARS:
-        converted = as_kind(key, value, kind)
-        check_sensible(key, converted)
-        return converted
+        return scalar(key, value, kind)
     if isinstance(value, CliValue):  # [32,64] or {a: 1}: read like the same value in the file
-        value = parse_flow(key, value)
+        try:
+            value = load_yaml(value)
+        except yaml.YAMLError:
+            raise ConfigError(f"{key} must be a YAML value such as [1, 2], got {shown(str(value))}") from None
     if dataclasses.is_dataclass(kind):
         return build(kind, value, f"{key}.")
-    pairs = enumerate(typed_items(key, value, kind))
-    items = [convert(f"{key}[{i}]", item, item_kind) for i, (item, item_kind) in pairs]
+    if not isinstance(value, (list, tuple)):  # either for either: YAML has lists, a checkpoint tuples
+        raise ConfigError(f"{key} must be {type_name(kind)}, got {type(value).__name__} {shown(value)}")
+    fixed = origin is tuple and args[-1] is not Ellipsis  # tuple[T1, T2]
+    if fixed and len(value) != len(args):
+        raise ConfigError(f"{key} must be {type_name(kind)}: {len(args)} items, got {len(value)}: {shown(value)}")
+    kinds = args if fixed else [args[0]] * len(value)
+    items = [convert(f"{key}[{i}]", item, kinds[i]) for i, item in enumerate(value)]
     return items if origin is list else tuple(items)
 
 
-def is_null(value) -> bool:
-    return value is None or (isinstance(value, CliValue) and core_tag(value.strip()) == "tag:yaml.org,2002:null")
-
-
-def parse_flow(key: str, text: str):
-    try:
-        return load_yaml(text)
-    except yaml.YAMLError:
-        raise ConfigError(f"{key} must be a YAML value such as [1, 2], got {shown(str(text))}") from None
-
-
-def typed_items(key: str, value, kind) -> list[tuple]:
-    """Each item of a list or tuple value with the type it must have. Either is taken for
-    either kind: YAML has only lists, a checkpoint's stored config has tuples."""
-    if not isinstance(value, (list, tuple)):
-        raise ConfigError(f"{key} must be {type_name(kind)}, got {type(value).__name__} {shown(value)}")
-    args = typing.get_args(kind)
-    if typing.get_origin(kind) is list or args[-1] is Ellipsis:  # list[T], tuple[T, ...]
-        return [(item, args[0]) for item in value]
-    if len(value) != len(args):
-        raise ConfigError(f"{key} must be {type_name(kind)}: {len(args)} items, got {len(value)}: {shown(value)}")
-    return list(zip(value, args, strict=True))
-
-
-def as_choice(key: str, value, choices: tuple):
-    """One of a Literal's choices, of the choice's own type (1 is not True)."""
-    for choice in choices:
-        try:
-            if as_kind(key, value, type(choice)) == choice:
-                return choice
-        except ConfigError:
-            continue
-    raise ConfigError(f"{key} must be one of {', '.join(map(str, choices))}; got {shown(value)}")
-
-
-def as_kind(key: str, value, kind: type):
-    if isinstance(value, CliValue):
-        return convert_text(key, str(value), kind)
-    if kind is float and isinstance(value, (int, float)) and not isinstance(value, bool):
-        return float(value)
-    if type(value) is kind:
-        return value
-    got = "null" if value is None else type(value).__name__
-    raise ConfigError(f"{key} must be {kind.__name__}, got {got} {shown(value)}")
-
-
-def check_sensible(key: str, value) -> None:
-    """No setting means anything at NaN or infinity (and NaN slips through range checks
-    written as `value < 0`), nor at an integer beyond 64 bits (torch refuses those later)."""
+def scalar(key: str, value, kind: type):
+    """`value` as bool, int, float or str: typed text for a str field as it is, for another
+    read as in the file; an int for a float. Never NaN, infinity (NaN slips through range
+    checks written as `value < 0`) or an integer beyond 64 bits (torch refuses those)."""
+    text = str(value) if isinstance(value, CliValue) else None
+    if text is not None:
+        with contextlib.suppress(yaml.YAMLError):  # unreadable: refused below, as text
+            value = text if kind is str else load_yaml(text)
+    if kind is float and type(value) is int:
+        value = float(value)
+    if type(value) is not kind:
+        got = shown(text) if text is not None else f"{'null' if value is None else type(value).__name__} {shown(value)}"
+        raise ConfigError(f"{key} must be {kind.__name__}, got {got}")
     if isinstance(value, float) and not math.isfinite(value):
         raise ConfigError(f"{key} must be a finite number, got {shown(value)}")
-    if isinstance(value, int) and not -(2**63) <= value < 2**63:
+    if type(value) is int and not -(2**63) <= value < 2**63:
         raise ConfigError(f"{key} must be between -2**63 and 2**63 - 1, got {shown(value)}")
+    return value
 
 
-def convert_text(key: str, text: str, kind: type):
-    """Text typed for a str field as it is; for another, its value as in the file."""
-    if kind is str:
-        return text
-    try:
-        value = read_scalar(text.strip())
-        return value if type(value) is kind else as_kind(key, value, kind)
-    except (ConfigError, ValueError):
-        raise ConfigError(f"{key} must be {kind.__name__}, got {shown(text)}") from None
-
-
-def all_keys(cls: type, sections: dict[str, type], prefix: str = "") -> list[str]:
-    keys = []
-    for name, kind in section_types(cls, sections).items():
-        kind = optional_of(kind) or kind
-        if dataclasses.is_dataclass(kind):
-            keys += all_keys(kind, sections, f"{prefix}{name}.")
-        else:
-            keys.append(f"{prefix}{name}")
-    return keys
-
-
-def suggestion(key: str, known: list[str]) -> str:
-    """A known key close to `key`: the one key of the same name in another section
-    (model.lr: optim.lr), or one a typo or two away (optim.lrr: optim.lr); else nothing."""
-    if "[" in key:  # in a list's item: the schema's keys do not name items
-        return ""
-    leaf = key.rsplit(".", 1)[-1]
-    same_name = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
-    close = same_name if len(same_name) == 1 else difflib.get_close_matches(key, known, n=1, cutoff=0.8)
-    return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def field_comments(cls: type) -> dict[str, str]:
-    """The comment written beside each field of the dataclass `cls` in its source."""
-    try:
-        source = inspect.getsource(cls)
-    except (OSError, TypeError):
-        return {}
-    found = re.findall(r"^ +(\w+): [^#\n]*#\s*(.+)$", source, flags=re.M)
-    return dict(found)
-
-
-def render(section, indent: str = "") -> list[str]:
-    """YAML lines for a config section, each value with its comment from the schema and,
-    where it differs, the schema's default. Plain keys first, then sub-sections."""
-    comments = field_comments(type(section))
-    lines, sections = [], []
-    for f in fields_of(section):
-        value = getattr(section, f.name)
-        if dataclasses.is_dataclass(value):
-            sections += ["", f"{indent}{f.name}:", *render(value, indent + "  ")]
-            continue
-        notes = [comments.get(f.name, "")]
-        default = field_default(f)
-        if default is not dataclasses.MISSING and value != default:
-            notes.append(f"(default {yaml_scalar(default)})")
-        line = f"{indent}{f.name}: {yaml_scalar(value)}"
-        note = " ".join(n for n in notes if n)
-        lines.append(f"{line:<40} # {note}" if note else line)
-    return lines + sections
-
-
-def fields_of(section) -> list:
-    """A section's fields; for Config, its sections as fields, first (data, model, optim...)."""
-    fields = [f for f in dataclasses.fields(section) if not is_sections(type(section), f.name)]
+def entries(section) -> list[tuple[str, Any, Any]]:
+    """(key, value, default) of each key of a section; Config's are the project's sections,
+    then its own keys, then the parts' sections."""
+    own = [(f.name, getattr(section, f.name), field_default(f)) for f in dataclasses.fields(section) if f.init]
     if type(section) is not Config:
-        return fields
-    own = [name for name, value in section.sections.items() if not is_part(value)]
-    part_names = [name for name in section.sections if name not in own]
-    return [SectionField(name) for name in own] + fields + [SectionField(name) for name in part_names]
-
-
-def is_part(section) -> bool:
-    return type(section).__module__.startswith(f"{parts.__name__}.")
-
-
-@dataclass
-class SectionField:
-    """One of Config.sections, seen as a field: always there, no default to compare."""
-
-    name: str
-    default = dataclasses.MISSING
-    default_factory = dataclasses.MISSING
+        return own
+    others = [(name, value, dataclasses.MISSING) for name, value in section.sections.items()]
+    in_parts = [entry for entry in others if type(entry[1]).__module__.startswith(f"{parts.__name__}.")]
+    return [entry for entry in others if entry not in in_parts] + own + in_parts
 
 
 def field_default(f: dataclasses.Field):
-    if f.default_factory is not dataclasses.MISSING:
-        return f.default_factory()
-    return f.default
+    return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+
+
+def render(section, indent: str = "") -> list[str]:
+    """YAML lines for a section: each key with the comment beside it in the schema and, where
+    it differs, its default; sub-sections last."""
+    try:
+        source = inspect.getsource(type(section))
+    except (OSError, TypeError):  # a class made at run time
+        source = ""
+    comments = dict(re.findall(r"^ +(\w+): [^#\n]*#\s*(.+)$", source, flags=re.M))
+    lines, sections = [], []
+    for name, value, default in entries(section):
+        if dataclasses.is_dataclass(value):
+            sections += ["", f"{indent}{name}:", *render(value, indent + "  ")]
+            continue
+        line = f"{indent}{name}: {yaml_scalar(value)}"
+        note = comments.get(name, "")
+        if default is not dataclasses.MISSING and value != default:
+            note = f"{note} (default {yaml_scalar(default)})".lstrip()
+        lines.append(f"{line:<40} # {note}" if note else line)
+    return lines + sections
 
 
 def yaml_scalar(value) -> str:
@@ -711,7 +589,7 @@ def plain(value):
     """`value` in the types YAML writes, as a checkpoint may also hand it back: tuples as
     lists, dataclasses as mappings, recursively."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: plain(getattr(value, f.name)) for f in fields_of(value)}
+        return {name: plain(item) for name, item, _ in entries(value)}
     if isinstance(value, (list, tuple)):
         return [plain(item) for item in value]
     if isinstance(value, dict):

@@ -193,22 +193,26 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, base: dic
     known = all_keys(Config, sections)
     schema = sections | field_types(Config)
     values = read_yaml(Path(path)) if path is not None else without_retired_keys(copy.deepcopy(base or {}), schema)
-    given = {}
     for override in overrides:
         key, sep, raw = override.partition("=")
         key = key.strip()
         if not sep or not key:
             raise ConfigError(f"override {shown(override)} is not of the form section.key=value")
-        if key in given:  # as a key written twice in the file: which one was meant?
+        *names, leaf = key.split(".")
+        node = values
+        for depth, name in enumerate(names):
+            node = node.setdefault(name, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"{'.'.join(names[: depth + 1])} is a value, not a section")
+        if isinstance(node.get(leaf), CliValue):  # as a key written twice in the file: which one was meant?
             raise ConfigError(
-                f"{key} is given twice on the command line ({shown(given[key])}, then {shown(raw)}); give it once"
+                f"{key} is given twice on the command line ({shown(node[leaf])}, then {shown(raw)}); give it once"
             )
-        given[key] = raw
-        set_dotted(values, key, raw)
+        node[leaf] = CliValue(raw)
     try:
         return build(Config, values, "", schema)
     except UnknownKey as error:
-        raise ConfigError(unknown_key_message(error.key, known)) from None
+        raise ConfigError(unknown_key_message(error.args[0], known)) from None
 
 
 # Keys that moved (old: new), for a config written before: train.* went to optim{% if cookiecutter.ema or cookiecutter.early_stopping or cookiecutter.freezing or cookiecutter.profiler or cookiecutter.tracking or cookiecutter.fsdp %}
@@ -285,7 +289,7 @@ def read_yaml(path: Path) -> dict:
         raise ConfigError(f"cannot read config file {str(path)!r}: {error.strerror}") from None
     try:
         text = data.decode("utf-8")  # not the machine's locale: a config reads the same anywhere
-        values = load_yaml(text)
+        values = yaml.load(text, ConfigLoader)
     except UnicodeDecodeError as error:
         line = data.count(b"\n", 0, error.start) + 1
         raise ConfigError(
@@ -306,44 +310,24 @@ def read_yaml(path: Path) -> dict:
     return values or {}
 
 
-# YAML 1.2's core schema (yaml.org/spec/1.2.2, 10.3): how a plain (unquoted) scalar's text
-# reads, by its tag; any other text is a string. PyYAML reads YAML 1.1 instead, where 010
-# is 8, 1:00 is 60 and yes is true: the command line would not agree with the file.
-def read_int(text: str) -> int:
-    if text.startswith(("0o", "0x")):
-        return int(text[2:], 8 if text[1] == "o" else 16)
-    return int(text)  # base 10, leading zeros too: 010 is 10
-
-
-def read_float(text: str) -> float:
-    if text.lstrip("+-.").lower() in ("inf", "nan"):  # .inf, -.inf, .nan: Python spells them without the dot
-        return float(text.replace(".", "", 1))
-    return float(text)
-
-
-NULL = "tag:yaml.org,2002:null"
+# YAML 1.2's core schema (yaml.org/spec/1.2.2, 10.3): a plain (unquoted) scalar's tag by
+# its text, and how to read it; any other text is a string. PyYAML reads YAML 1.1 instead,
+# where 010 is 8, 1:00 is 60 and yes is true: the command line would not agree with the file.
+TAG = "tag:yaml.org,2002:"
 CORE_SCHEMA = {
-    NULL: (re.compile(r"null|Null|NULL|~|"), lambda text: None),
-    "tag:yaml.org,2002:bool": (re.compile(r"true|True|TRUE|false|False|FALSE"), lambda text: text.lower() == "true"),
-    "tag:yaml.org,2002:int": (re.compile(r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+"), read_int),
-    "tag:yaml.org,2002:float": (
-        re.compile(r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)"),
-        read_float,
+    TAG + "null": (r"null|Null|NULL|~|", lambda t: None),
+    TAG + "bool": (r"true|True|TRUE|false|False|FALSE", lambda t: t.lower() == "true"),
+    TAG + "int": (r"[-+]?[0-9]+|0o[0-7]+|0x[0-9a-fA-F]+", lambda t: int(t, 0 if t[:2] in ("0o", "0x") else 10)),
+    TAG + "float": (  # .inf, .nan: Python spells them without the dot
+        r"[-+]?(\.[0-9]+|[0-9]+(\.[0-9]*)?)([eE][-+]?[0-9]+)?|[-+]?\.(inf|Inf|INF)|\.(nan|NaN|NAN)",
+        lambda t: float(re.sub(r"\.(?=[iInN])", "", t)),
     ),
 }
 
 
 def core_tag(text: str) -> str | None:
     """The tag YAML 1.2's core schema gives a plain scalar's text; None for a string."""
-    return next((tag for tag, (pattern, _) in CORE_SCHEMA.items() if pattern.fullmatch(text)), None)
-
-
-def load_yaml(text: str):
-    loader = ConfigLoader(text)
-    try:
-        return loader.get_single_data()
-    finally:
-        loader.dispose()
+    return next((tag for tag, (pattern, _) in CORE_SCHEMA.items() if re.fullmatch(pattern, text)), None)
 
 
 class RefusedYaml(yaml.constructor.ConstructorError):
@@ -356,13 +340,13 @@ class ConfigLoader(yaml.SafeLoader):
 
     def resolve(self, kind, value, implicit):
         if kind is yaml.ScalarNode and implicit[0] and value != "<<":
-            return core_tag(value) or "tag:yaml.org,2002:str"
+            return core_tag(value) or TAG + "str"
         return super().resolve(kind, value, implicit)
 
     def construct_mapping(self, node, deep=False):
         first = {}  # each key's line
         for key_node, _ in node.value:
-            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == "tag:yaml.org,2002:merge":
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == TAG + "merge":
                 continue  # merged keys (<<) may be overridden: that is what they are for
             key = self.construct_object(key_node)
             if key in first:
@@ -374,7 +358,7 @@ class ConfigLoader(yaml.SafeLoader):
     def construct_core_scalar(self, node):
         text = self.construct_scalar(node)
         pattern, read = CORE_SCHEMA[node.tag]
-        if not pattern.fullmatch(text):  # an explicit tag on other text: !!int 1:00
+        if not re.fullmatch(pattern, text):  # an explicit tag on other text: !!int 1:00
             problem = f"{shown(text)} is not a {node.tag.rsplit(':', 1)[-1]} in YAML 1.2"
             raise RefusedYaml(None, None, problem, node.start_mark)
         try:
@@ -391,24 +375,13 @@ class ConfigDumper(yaml.SafeDumper):
 
     def resolve(self, kind, value, implicit):
         tag = super().resolve(kind, value, implicit)
-        if kind is yaml.ScalarNode and implicit[0] and tag == "tag:yaml.org,2002:str":
+        if kind is yaml.ScalarNode and implicit[0] and tag == TAG + "str":
             return core_tag(value) or tag
         return tag
 
 
-def set_dotted(values: dict, key: str, raw: str) -> None:
-    """Store the raw override text at `key`; `convert` reads it as the field's type."""
-    *sections, leaf = key.split(".")
-    node = values
-    for depth, section in enumerate(sections):
-        node = node.setdefault(section, {})
-        if not isinstance(node, dict):
-            raise ConfigError(f"{'.'.join(sections[: depth + 1])} is a value, not a section")
-    node[leaf] = CliValue(raw)
-
-
 class CliValue(str):
-    """A value typed on the command line: text for a str field, else read as YAML."""
+    """An override's text, read as its field's type: as it is for a str field, else as YAML."""
 
 
 def field_types(cls: type) -> dict[str, type]:
@@ -431,10 +404,7 @@ def optional_of(kind):
 def all_keys(cls: type, sections: dict[str, type], prefix: str = "") -> list[str]:
     """Every key of the dataclass `cls` with `sections` besides its fields (Config's), each
     field's type checked: one a config cannot read or write is wrong whatever the config says."""
-    keys = []
-    for name, kind in (sections | field_types(cls)).items():
-        keys += key_of(f"{prefix}{name}", kind)
-    return keys
+    return [key for name, kind in (sections | field_types(cls)).items() for key in key_of(f"{prefix}{name}", kind)]
 
 
 def key_of(key: str, kind, whole=None) -> list[str]:
@@ -465,9 +435,7 @@ def type_name(kind) -> str:
 
 
 class UnknownKey(ConfigError):
-    def __init__(self, key: str):
-        super().__init__(f"unknown config key {shown(key)}")
-        self.key = key
+    """A key the schema does not have (its args: the key): load_config words the message."""
 
 
 def build(cls: type, values, prefix: str, schema: dict[str, type] | None = None):
@@ -496,7 +464,7 @@ def convert(key: str, value, kind):
     of every section comes through here, from the file, the command line or a checkpoint."""
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if optional_of(kind) is not None:
-        null = value is None or (isinstance(value, CliValue) and core_tag(value.strip()) == NULL)
+        null = value is None or (isinstance(value, CliValue) and core_tag(value.strip()) == TAG + "null")
         return None if null else convert(key, value, optional_of(kind))
     if origin is typing.Literal:  # a choice of its own type: 1 is not True
         for choice in args:
@@ -508,7 +476,7 @@ def convert(key: str, value, kind):
         return scalar(key, value, kind)
     if isinstance(value, CliValue):  # [32,64] or {a: 1}: read like the same value in the file
         try:
-            value = load_yaml(value)
+            value = yaml.load(value, ConfigLoader)
         except yaml.YAMLError:
             raise ConfigError(f"{key} must be a YAML value such as [1, 2], got {shown(str(value))}") from None
     if dataclasses.is_dataclass(kind):
@@ -530,7 +498,7 @@ def scalar(key: str, value, kind: type):
     text = str(value) if isinstance(value, CliValue) else None
     if text is not None:
         with contextlib.suppress(yaml.YAMLError):  # unreadable: refused below, as text
-            value = text if kind is str else load_yaml(text)
+            value = text if kind is str else yaml.load(text, ConfigLoader)
     if kind is float and type(value) is int:
         value = float(value)
     if type(value) is not kind:
@@ -592,8 +560,6 @@ def plain(value):
         return {name: plain(item) for name, item, _ in entries(value)}
     if isinstance(value, (list, tuple)):
         return [plain(item) for item in value]
-    if isinstance(value, dict):
-        return {key: plain(item) for key, item in value.items()}
     return value
 
 

@@ -58,11 +58,12 @@ class TrainConfig:
     deterministic: bool = False  # torch.use_deterministic_algorithms
 
     def __post_init__(self):
-        for key in ("epochs", "batch_size", "accum_steps", "eval_batch_size", "log_every_steps"):
-            check_positive(f"train.{key}", getattr(self, key))
         zero_allowed = ("max_steps", "eval_every_steps", "grad_clip", "max_bad_steps", "stop_at_step", "num_workers")
-        for key in {{ '(*zero_allowed, "peak_tflops")' if cookiecutter.throughput else 'zero_allowed' }}:
-            check_positive(f"train.{key}", getattr(self, key), allow_zero=True)
+        for key in ("epochs", "batch_size", "accum_steps", "eval_batch_size", "log_every_steps", *zero_allowed):
+            check_positive(f"train.{key}", getattr(self, key), allow_zero=key in zero_allowed)
+{%- if cookiecutter.throughput %}
+        check_positive("train.peak_tflops", self.peak_tflops, allow_zero=True)
+{%- endif %}
         check_choice("train.precision", self.precision, ("fp32", "bf16", "fp16"))
 
 
@@ -122,7 +123,7 @@ class Config:
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
-    # The project's sections (data, model, optim) and the parts', by name: cfg.data is cfg.sections["data"].
+    # The project's sections (data, model, optim) and the parts', by name; cfg.data too.
     sections: dict[str, Any] = field(default_factory=dict, init=False)
 
     def __post_init__(self):
@@ -132,12 +133,6 @@ class Config:
         if self.dist.static_graph and self.train.accum_steps > 1:
             # DDP's static graph cannot skip gradient sync on accumulation micro-batches.
             raise ConfigError("dist.static_graph=true does not work with train.accum_steps > 1; turn one off")
-
-    def __getattr__(self, name: str):
-        sections = self.__dict__.get("sections", {})
-        if name in sections:
-            return sections[name]
-        raise AttributeError(f"the config has no section {name!r}")
 
     def to_dict(self) -> dict:
         """Every value as YAML writes it: what a checkpoint stores."""
@@ -262,9 +257,8 @@ def unknown_key_message(key: str, known: list[str]) -> str:
     leaf = key.rsplit(".", 1)[-1]
     same_name = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
     close = same_name if len(same_name) == 1 else difflib.get_close_matches(key, known, n=1, cutoff=0.8)
-    if close and "[" not in key:  # a key in a list's item: the schema's keys name no items
-        return f"unknown config key {shown(key)} (did you mean {close[0]!r}?)"
-    return f"unknown config key {shown(key)}"
+    hint = f" (did you mean {close[0]!r}?)" if close and "[" not in key else ""  # the schema's keys name no items
+    return f"unknown config key {shown(key)}{hint}"
 
 
 def without_retired_keys(values: dict, schema: dict[str, type]) -> dict:
@@ -283,13 +277,12 @@ def without_retired_keys(values: dict, schema: dict[str, type]) -> dict:
 def read_yaml(path: Path) -> dict:
     try:
         data = path.read_bytes()
+        text = data.decode("utf-8")  # not the machine's locale: a config reads the same anywhere
+        values = yaml.load(text, ConfigLoader)
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} not found (pass --config PATH)") from None
     except OSError as error:
         raise ConfigError(f"cannot read config file {str(path)!r}: {error.strerror}") from None
-    try:
-        text = data.decode("utf-8")  # not the machine's locale: a config reads the same anywhere
-        values = yaml.load(text, ConfigLoader)
     except UnicodeDecodeError as error:
         line = data.count(b"\n", 0, error.start) + 1
         raise ConfigError(
@@ -299,12 +292,9 @@ def read_yaml(path: Path) -> dict:
     except yaml.reader.ReaderError as error:  # a control character, found before any parsing
         line = text.count("\n", 0, error.position) + 1
         raise ConfigError(f"{path} line {line}: character U+{error.character:04X} is not allowed in YAML") from None
-    except yaml.YAMLError as error:
-        mark = getattr(error, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        problem = getattr(error, "problem", None) or "invalid YAML"
+    except yaml.MarkedYAMLError as error:
         syntax = "" if isinstance(error, RefusedYaml) else "YAML syntax error: "
-        raise ConfigError(f"{path}{where}: {syntax}{problem}") from None
+        raise ConfigError(f"{path} line {error.problem_mark.line + 1}: {syntax}{error.problem}") from None
     if not isinstance(values, dict | None):
         raise ConfigError(f"{path}: expected a mapping of keys to values at the top level")
     return values or {}
@@ -359,7 +349,7 @@ class ConfigLoader(yaml.SafeLoader):
         text = self.construct_scalar(node)
         pattern, read = CORE_SCHEMA[node.tag]
         if not re.fullmatch(pattern, text):  # an explicit tag on other text: !!int 1:00
-            problem = f"{shown(text)} is not a {node.tag.rsplit(':', 1)[-1]} in YAML 1.2"
+            problem = f"{shown(text)} is not a {node.tag.removeprefix(TAG)} in YAML 1.2"
             raise RefusedYaml(None, None, problem, node.start_mark)
         try:
             return read(text)
@@ -416,9 +406,8 @@ def key_of(key: str, kind, whole=None) -> list[str]:
     if optional_of(kind) is not None:
         return key_of(key, optional_of(kind), whole or kind)
     if (origin is list and len(args) == 1) or (origin is tuple and args):
-        for arg in args:
-            if arg is not Ellipsis:
-                key_of(key, arg, whole or kind)  # an item's keys are not keys of the schema
+        for arg in (arg for arg in args if arg is not Ellipsis):
+            key_of(key, arg, whole or kind)  # an item's keys are not keys of the schema
     elif not (kind in SCALARS or (origin is typing.Literal and all(type(choice) in SCALARS for choice in args))):
         raise ConfigError(
             f"{key} has type {type_name(whole or kind)}, which a config cannot hold; use bool, int, float, "
@@ -444,9 +433,9 @@ def build(cls: type, values, prefix: str, schema: dict[str, type] | None = None)
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.')} must be a section (key: value lines)")
     schema = schema or field_types(cls)
-    for name in values:
-        if name not in schema:
-            raise UnknownKey(f"{prefix}{name}")
+    unknown = [name for name in values if name not in schema]
+    if unknown:
+        raise UnknownKey(prefix + unknown[0])
     kwargs = {  # a section is built even where not written
         name: convert(f"{prefix}{name}", values.get(name, {}), kind)
         for name, kind in schema.items()
@@ -456,6 +445,7 @@ def build(cls: type, values, prefix: str, schema: dict[str, type] | None = None)
     instance = cls(**{name: value for name, value in kwargs.items() if name in own})
     if cls is Config:
         instance.sections = {name: value for name, value in kwargs.items() if name not in own}
+        vars(instance).update(instance.sections)
     return instance
 
 
@@ -529,11 +519,7 @@ def field_default(f: dataclasses.Field):
 def render(section, indent: str = "") -> list[str]:
     """YAML lines for a section: each key with the comment beside it in the schema and, where
     it differs, its default; sub-sections last."""
-    try:
-        source = inspect.getsource(type(section))
-    except (OSError, TypeError):  # a class made at run time
-        source = ""
-    comments = dict(re.findall(r"^ +(\w+): [^#\n]*#\s*(.+)$", source, flags=re.M))
+    comments = dict(re.findall(r"^ +(\w+): [^#\n]*#\s*(.+)$", inspect.getsource(type(section)), flags=re.M))
     lines, sections = [], []
     for name, value, default in entries(section):
         if dataclasses.is_dataclass(value):

@@ -205,7 +205,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, base: dic
             )
         node[leaf] = CliValue(raw)
     try:
-        return build(Config, values, "", schema)
+        return build(Config, values, "", sections)
     except UnknownKey as error:
         raise ConfigError(unknown_key_message(error.args[0], known)) from None
 
@@ -249,11 +249,8 @@ NEW_VALUES = {{ '{"train.strategy": "set fsdp.enabled=true for strategy fsdp, fa
 def unknown_key_message(key: str, known: list[str]) -> str:
     """Where a moved key went, or the known key closest to the one typed: the one key of the
     same name in another section (model.lr: optim.lr), or one a typo or two away."""
-    moved = MOVED_KEYS.get(key)
-    if moved is not None:
-        fix = NEW_VALUES.get(key, "rename it")
-        fix = fix if moved in known else f"this project was generated without the {moved.split('.')[0]} part"
-        return f"config key {key!r} moved to {moved!r}; {fix}"
+    if key in MOVED_KEYS:
+        return f"config key {key!r} moved to {MOVED_KEYS[key]!r}; {NEW_VALUES.get(key, 'rename it')}"
     leaf = key.rsplit(".", 1)[-1]
     same_name = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
     close = same_name if len(same_name) == 1 else difflib.get_close_matches(key, known, n=1, cutoff=0.8)
@@ -265,13 +262,11 @@ def without_retired_keys(values: dict, schema: dict[str, type]) -> dict:
     """A checkpoint's stored config without what this project's schema no longer has: keys
     of the machinery's sections (e.g. train.lr, now optim.lr) and the sections of parts it
     was generated without. The project's own sections (data, model, optim) stay as stored."""
-    for name in list(values):
-        kind = schema.get(name)
-        if kind is None:
-            del values[name]
-        elif kind.__module__.startswith("engine.") and isinstance(values[name], dict):  # a machinery section
-            values[name] = {key: value for key, value in values[name].items() if key in kind.__dataclass_fields__}
-    return values
+    kept = {name: value for name, value in values.items() if name in schema}
+    for name, value in kept.items():
+        if schema[name].__module__.startswith("engine.") and isinstance(value, dict):  # a machinery section
+            kept[name] = {key: item for key, item in value.items() if key in schema[name].__dataclass_fields__}
+    return kept
 
 
 def read_yaml(path: Path) -> dict:
@@ -427,25 +422,23 @@ class UnknownKey(ConfigError):
     """A key the schema does not have (its args: the key): load_config words the message."""
 
 
-def build(cls: type, values, prefix: str, schema: dict[str, type] | None = None):
+def build(cls: type, values, prefix: str, sections: dict[str, type] | None = None):
     """An instance of the dataclass `cls` from nested dicts, every key and type checked;
-    `schema`: its keys' types, where more than its fields (Config's sections)."""
+    `sections`: Config's besides its fields (data, model, optim, the parts')."""
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.')} must be a section (key: value lines)")
-    schema = schema or field_types(cls)
+    schema = (sections or {}) | field_types(cls)
     unknown = [name for name in values if name not in schema]
     if unknown:
         raise UnknownKey(prefix + unknown[0])
-    kwargs = {  # a section is built even where not written
-        name: convert(f"{prefix}{name}", values.get(name, {}), kind)
-        for name, kind in schema.items()
-        if name in values or dataclasses.is_dataclass(kind)
-    }
-    own = field_types(cls)
-    instance = cls(**{name: value for name, value in kwargs.items() if name in own})
-    if cls is Config:
-        instance.sections = {name: value for name, value in kwargs.items() if name not in own}
-        vars(instance).update(instance.sections)
+    kwargs = {}
+    for name, kind in schema.items():
+        if name in values or dataclasses.is_dataclass(kind):  # a section is built even where not written
+            kwargs[name] = convert(f"{prefix}{name}", values.get(name, {}), kind)
+    instance = cls(**{name: kwargs.pop(name) for name in field_types(cls) if name in kwargs})
+    if sections is not None:  # Config's, left in kwargs: cfg.data is cfg.sections["data"]
+        instance.sections = kwargs
+        vars(instance).update(kwargs)
     return instance
 
 

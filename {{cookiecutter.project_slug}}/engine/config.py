@@ -25,7 +25,6 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import yaml
 
@@ -124,7 +123,7 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     # The project's sections (data, model, optim) and the parts', by name; cfg.data too.
-    sections: dict[str, Any] = field(default_factory=dict, init=False)
+    sections: dict[str, object] = field(default_factory=dict, init=False)
 
     def __post_init__(self):
         check_positive("seed", self.seed, allow_zero=True)
@@ -296,7 +295,7 @@ def read_yaml(path: Path) -> dict:
 
 
 # YAML 1.2's core schema (yaml.org/spec/1.2.2, 10.3): a plain (unquoted) scalar's tag by
-# its text, and how to read it; any other text is a string. PyYAML reads YAML 1.1 instead,
+# its text, and how to read it. PyYAML reads YAML 1.1 instead,
 # where 010 is 8, 1:00 is 60 and yes is true: the command line would not agree with the file.
 TAG = "tag:yaml.org,2002:"
 CORE_SCHEMA = {
@@ -310,11 +309,6 @@ CORE_SCHEMA = {
 }
 
 
-def core_tag(text: str) -> str | None:
-    """The tag YAML 1.2's core schema gives a plain scalar's text; None for a string."""
-    return next((tag for tag, (pattern, _) in CORE_SCHEMA.items() if re.fullmatch(pattern, text)), None)
-
-
 class RefusedYaml(yaml.constructor.ConstructorError):
     """Valid YAML that a config refuses (not a syntax error)."""
 
@@ -323,10 +317,7 @@ class ConfigLoader(yaml.SafeLoader):
     """yaml.safe_load's reading with YAML 1.2's core schema (merge keys, <<, still merge),
     refusing a key written twice in a section: YAML would keep the last without a word."""
 
-    def resolve(self, kind, value, implicit):
-        if kind is yaml.ScalarNode and implicit[0] and value != "<<":
-            return core_tag(value) or TAG + "str"
-        return super().resolve(kind, value, implicit)
+    yaml_implicit_resolvers = {"<": [(TAG + "merge", re.compile(r"<<\Z"))]}  # and the core schema's, below
 
     def construct_mapping(self, node, deep=False):
         first = {}  # each key's line
@@ -358,11 +349,10 @@ class ConfigDumper(yaml.SafeDumper):
     """yaml.safe_dump's writing, which also quotes text that YAML 1.2 reads as another type
     (1e5, 0o17): a saved config reads back the same here and in a YAML 1.1 reader."""
 
-    def resolve(self, kind, value, implicit):
-        tag = super().resolve(kind, value, implicit)
-        if kind is yaml.ScalarNode and implicit[0] and tag == TAG + "str":
-            return core_tag(value) or tag
-        return tag
+
+for tag, (pattern, _) in CORE_SCHEMA.items():  # plain scalars: text of no other type is a string
+    ConfigLoader.add_implicit_resolver(tag, re.compile(rf"(?:{pattern})\Z"), None)
+    ConfigDumper.add_implicit_resolver(tag, re.compile(rf"(?:{pattern})\Z"), None)
 
 
 class CliValue(str):
@@ -447,8 +437,8 @@ def convert(key: str, value, kind):
     of every section comes through here, from the file, the command line or a checkpoint."""
     origin, args = typing.get_origin(kind), typing.get_args(kind)
     if optional_of(kind) is not None:
-        null = value is None or (isinstance(value, CliValue) and core_tag(value.strip()) == TAG + "null")
-        return None if null else convert(key, value, optional_of(kind))
+        typed_null = isinstance(value, CliValue) and re.fullmatch(CORE_SCHEMA[TAG + "null"][0], value.strip())
+        return None if value is None or typed_null else convert(key, value, optional_of(kind))
     if origin is typing.Literal:  # a choice of its own type: 1 is not True
         for choice in args:
             with contextlib.suppress(ConfigError):
@@ -469,8 +459,7 @@ def convert(key: str, value, kind):
     fixed = origin is tuple and args[-1] is not Ellipsis  # tuple[T1, T2]
     if fixed and len(value) != len(args):
         raise ConfigError(f"{key} must be {type_name(kind)}: {len(args)} items, got {len(value)}: {shown(value)}")
-    kinds = args if fixed else [args[0]] * len(value)
-    items = [convert(f"{key}[{i}]", item, kinds[i]) for i, item in enumerate(value)]
+    items = [convert(f"{key}[{i}]", item, args[i] if fixed else args[0]) for i, item in enumerate(value)]
     return items if origin is list else tuple(items)
 
 
@@ -494,7 +483,7 @@ def scalar(key: str, value, kind: type):
     return value
 
 
-def entries(section) -> list[tuple[str, Any, Any]]:
+def entries(section) -> list[tuple]:
     """(key, value, default) of each key of a section; Config's are the project's sections,
     then its own keys, then the parts' sections."""
     own = [(f.name, getattr(section, f.name), field_default(f)) for f in dataclasses.fields(section) if f.init]

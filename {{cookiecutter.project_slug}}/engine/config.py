@@ -250,8 +250,9 @@ def unknown_key_message(key: str, known: list[str]) -> str:
 def without_retired_keys(values: dict | None, schema: dict[str, type]) -> dict:
     """A checkpoint's stored config without what this project's schema no longer has: keys
     of the machinery's sections (e.g. train.lr, now optim.lr) and the sections of parts it
-    was generated without. The project's own sections (data, model, optim) stay as stored."""
-    kept = {name: copy.deepcopy(value) for name, value in (values or {}).items() if name in schema}  # a copy: overrides go in
+    was generated without. The project's own sections (data, model, optim) stay as stored.
+    A copy: the overrides go into it."""
+    kept = {name: copy.deepcopy(value) for name, value in (values or {}).items() if name in schema}
     for name, value in kept.items():
         if schema[name].__module__.startswith("engine.") and isinstance(value, dict):  # a machinery section
             kept[name] = {key: item for key, item in value.items() if key in schema[name].__dataclass_fields__}

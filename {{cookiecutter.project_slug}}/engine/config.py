@@ -122,9 +122,10 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
     # The project's sections (data, model, optim) and the parts', by name; cfg.data too.
-    sections: dict[str, object] = field(default_factory=dict, init=False)
+    sections: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self):
+        vars(self).update(self.sections)
         check_positive("seed", self.seed, allow_zero=True)
         if not self.output_dir:
             raise ConfigError("output_dir must not be empty")
@@ -351,9 +352,9 @@ class CliValue(str):
 
 
 def field_types(cls: type) -> dict[str, type]:
-    """Each key's type: the fields __init__ takes (not Config.sections, nor a ClassVar)."""
+    """Each key's type: the fields __init__ takes (not a ClassVar), but Config.sections, a dict of them."""
     hints = typing.get_type_hints(cls)
-    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init}
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls) if f.init and (cls, f.name) != (Config, "sections")}
 
 
 SCALARS = (bool, int, float, str)
@@ -415,11 +416,8 @@ def build(cls: type, values, prefix: str, sections: dict[str, type] | None = Non
     for name, kind in schema.items():
         if name in values or dataclasses.is_dataclass(kind):  # a section is built even where not written
             kwargs[name] = convert(f"{prefix}{name}", values.get(name, {}), kind)
-    instance = cls(**{name: kwargs.pop(name) for name in field_types(cls) if name in kwargs})
-    if sections is not None:  # Config's, left in kwargs: cfg.data is cfg.sections["data"]
-        instance.sections = kwargs
-        vars(instance).update(kwargs)
-    return instance
+    own = {name: kwargs.pop(name) for name in field_types(cls) if name in kwargs}
+    return cls(**own) if sections is None else cls(**own, sections=kwargs)  # Config's sections: the rest
 
 
 def convert(key: str, value, kind):
@@ -476,7 +474,8 @@ def scalar(key: str, value, kind: type):
 def entries(section) -> list[tuple]:
     """(key, value, default) of each key of a section; Config's are the project's sections,
     then its own keys, then the parts' sections."""
-    own = [(f.name, getattr(section, f.name), field_default(f)) for f in dataclasses.fields(section) if f.init]
+    keys = field_types(type(section))
+    own = [(f.name, getattr(section, f.name), field_default(f)) for f in dataclasses.fields(section) if f.name in keys]
     if type(section) is not Config:
         return own
     others = [(name, value, dataclasses.MISSING) for name, value in section.sections.items()]

@@ -487,10 +487,23 @@ def field_default(f: dataclasses.Field):
     return f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
 
 
+def field_comments(cls: type) -> dict[str, str]:
+    """Each field's comment in the schema's source: beside it, else the comment lines above it."""
+    comments, above = {}, []
+    for line in inspect.getsource(cls).splitlines():
+        if comment := re.match(r"^ +#\s*(.*)$", line):
+            above.append(comment[1])
+            continue
+        if found := re.match(r"^ +(\w+): [^#\n]*?(?:#\s*(.+))?$", line):
+            comments[found[1]] = found[2] or " ".join(above)
+        above = []
+    return comments
+
+
 def render(section, indent: str = "") -> list[str]:
     """YAML lines for a section: each key with the comment beside it in the schema and, where
     it differs, its default; sub-sections last."""
-    comments = dict(re.findall(r"^ +(\w+): [^#\n]*#\s*(.+)$", inspect.getsource(type(section)), flags=re.M))
+    comments = field_comments(type(section))
     lines, sections = [], []
     for name, value, default in entries(section):
         if dataclasses.is_dataclass(value):

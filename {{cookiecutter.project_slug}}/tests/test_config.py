@@ -303,6 +303,7 @@ class Head:
 class RichModel:
     widths: list[int] = field(default_factory=lambda: [16, 32])  # channel widths
     size: tuple[int, int] = (224, 224)  # input height, width
+    # one per level: a comment above its field
     scales: tuple[float, ...] = (1.0,)
     offset: int | None = None  # none: no offset
     tag: Optional[str] = None  # noqa: UP045 (the spelling of older code, which must work too)
@@ -476,6 +477,7 @@ def test_rich_config_round_trips_through_print_config(tmp_path):
 def test_default_factory_values_show_as_defaults():
     lines = format_config(rich_config()).splitlines()
     assert f"{'  widths: [16, 32]':<40} # channel widths" in lines
+    assert f"{'  scales: [1.0]':<40} # one per level: a comment above its field" in lines
     assert "  heads: []" in lines and "  extra: null" in lines
 
 

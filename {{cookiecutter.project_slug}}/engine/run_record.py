@@ -121,7 +121,8 @@ class AlsoTo:
             except OSError as error:
                 with contextlib.suppress(OSError):  # its buffer cannot go either
                     self.record.close()
-                self.stream.write(f"warning: {self.record.name} records no more of this run: {error.strerror or error}\n")
+                why = error.strerror or error
+                self.stream.write(f"warning: {self.record.name} records no more of this run: {why}\n")
         return self.stream.write(text)
 
     def flush(self) -> None:

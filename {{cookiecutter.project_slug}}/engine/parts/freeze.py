@@ -46,7 +46,7 @@ class Freezing(Part):
         self.wrapped_frozen = True  # the DDP wrapper was built with the frozen parameters left out
 
     def set_requires_grad(self, model: nn.Module, epoch: int) -> bool:
-        """Whether they are frozen at `epoch`."""
+        """The parameters frozen or not as at `epoch`; whether frozen."""
         frozen = self.epochs == 0 or epoch < self.epochs
         for name, parameter in model.named_parameters():
             if name.startswith(self.prefixes):

@@ -1,5 +1,5 @@
 """The memory report (a part): every rank's memory each epoch, so imbalance and leaks show; and,
-from NVML (optional nvidia-ml-py), which processes hold each node's GPUs, which torch.cuda cannot see."""
+from NVML (optional nvidia-ml-py), the processes on each node's GPUs, which torch.cuda cannot see."""
 
 import gc
 import importlib.util

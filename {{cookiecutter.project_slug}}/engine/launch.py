@@ -46,7 +46,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def all_saved(log_dir: Path) -> bool:
-    """Whether every process of the last attempt left STOPPED_EXIT_CODE in its error file."""
     attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda path: int(path.name.removeprefix("attempt_")))
     processes = [path / "error.json" for path in attempts[-1].iterdir()] if attempts else []
     codes = [json.loads(path.read_text())["message"].get("errorCode") if path.is_file() else None for path in processes]

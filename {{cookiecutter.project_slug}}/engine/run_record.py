@@ -1,5 +1,4 @@
-"""What produced a run (git commit, versions, launch, hosts), in every checkpoint and atop the saved
-config; and train.log, everything rank 0 prints."""
+"""What produced a run (git commit, versions, launch, hosts), for checkpoints and the saved config; train.log."""
 
 import contextlib
 import importlib.metadata

@@ -1,5 +1,4 @@
-"""Speed in the task's own units (model.py's `count_items`), and the model FLOPs utilisation (MFU): the
-first micro-batch's FLOPs times micro-batches per second over the device's peak."""
+"""Speed in the task's units (model.py's `count_items`) and model FLOPs utilisation (MFU) from the first micro-batch."""
 
 import contextlib
 import re

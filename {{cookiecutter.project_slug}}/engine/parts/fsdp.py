@@ -1,5 +1,4 @@
-"""FSDP (a part): the model sharded per block across processes; rank 0 builds it in host memory, the others
-on meta. Checkpoints are folders of every rank's shards (engine/sharded.py)."""
+"""FSDP (a part): the model sharded per block; rank 0 builds it in host memory, the other ranks on meta."""
 
 from collections.abc import Callable
 from dataclasses import dataclass

@@ -1,20 +1,6 @@
-"""torchrun, ending with the run's own last word instead of torchrun's summary.
-
-  python -m engine.launch --standalone --nproc_per_node=4 train.py [section.key=value ...]
-
-It takes torchrun's options and is torchrun (its parser and launch) but for how it ends:
-- a process fails: one line on stderr instead of about 38 (the process's `error: ...`
-  line, a crash's exception, or a kill's signal) and the process's exit code (2 for bad
-  input; 128 + the signal for a kill), where torchrun exits 1 for everything;
-- SIGINT or SIGTERM: torchrun passes it on and waits. When every process saved a
-  checkpoint, train.py's `stopped at step N ...` is the last line and the exit code 75
-  (stopped: the same command continues), as train.py's own; otherwise one line, not a
-  traceback, and 128 + the signal (130, 143) as a shell reports;
-  `--signals-to-handle=...,SIGUSR1` adds SIGUSR1, as sweep.py does;
-- the processes stop by themselves: train.py's `stopped at step N ...`, exit code 75.
-A process leaves its line in the error file torchrun names (TORCHELASTIC_ERROR_FILE, in
-`@record`'s format: engine.logs.hand_to_launcher), so plain torchrun's summary shows it too.
-"""
+"""torchrun ending with the run's own last word and exit code: a failure, the failing process's line and code;
+SIGINT/SIGTERM, 75 when every process saved, else 128 + the signal. Takes torchrun's options:
+python -m engine.launch --standalone --nproc_per_node=4 train.py [section.key=value ...]"""
 
 import json
 import os
@@ -34,8 +20,7 @@ from engine.logs import ERROR_FILE_VARIABLE
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="torchelastic_")  # where each process leaves its last word
-    # Under a launcher of its own, hand the failing process's error file on to it as torchrun does.
-    launch = record(run) if ERROR_FILE_VARIABLE in os.environ else run
+    launch = record(run) if ERROR_FILE_VARIABLE in os.environ else run  # an outer launcher gets the error file
     try:
         launch(args)
     except ChildFailedError as failed:
@@ -43,8 +28,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
         return code
     except (SignalException, KeyboardInterrupt) as stop:
-        # torchrun has passed the signal on and waited for its processes: a further signal may end this one at once.
-        for stop_signal in (signal.SIGINT, signal.SIGTERM):
+        for stop_signal in (signal.SIGINT, signal.SIGTERM):  # torchrun has waited: a further signal ends this one
             signal.signal(stop_signal, signal.SIG_DFL)
         sigval = getattr(stop, "sigval", signal.SIGINT)  # KeyboardInterrupt: before torchrun took the signals
         if isinstance(stop, SignalException) and not processes_left() and all_saved(Path(args.log_dir)):
@@ -62,8 +46,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def all_saved(log_dir: Path) -> bool:
-    """Whether every process of torchrun's last attempt stopped with a checkpoint: each left
-    STOPPED_EXIT_CODE in its error file (engine.logs.hand_to_launcher)."""
     attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda path: int(path.name.removeprefix("attempt_")))
     processes = [path / "error.json" for path in attempts[-1].iterdir()] if attempts else []
     codes = [json.loads(path.read_text())["message"].get("errorCode") if path.is_file() else None for path in processes]
@@ -71,7 +53,6 @@ def all_saved(log_dir: Path) -> bool:
 
 
 def processes_left() -> bool:
-    """Whether a process this one started still runs (those that ended are reaped)."""
     while True:
         try:
             pid, _ = os.waitpid(-1, os.WNOHANG)
@@ -82,17 +63,13 @@ def processes_left() -> bool:
 
 
 def shown_failure(failures: dict[int, ProcessFailure]) -> tuple[str, int]:
-    """The line and exit code of the failure that most likely caused the others: torchrun's
-    'first observed failure' compares whole seconds, and dates a failure without an error
-    file when it noticed it, so a process that stopped because another failed often looks first."""
+    """The failure that most likely caused the others: torchrun's 'first observed' is often a consequence."""
     return min(diagnosis(rank, failure) for rank, failure in failures.items())[-2:]
 
 
 def diagnosis(rank: int, failure: ProcessFailure) -> tuple[int, float, int, str, int]:
-    """(blame, timestamp, rank, line, exit code). Blamed first: the process's `error: ...`
-    line (what it found wrong); a kill from outside (SIGKILL: out of memory); a crash
-    (@record's traceback); another line of the process (`rank N stopped: lost contact
-    ...`: a consequence); an exit code alone; SIGTERM (torchrun's to the rest)."""
+    """(blame, timestamp, rank, line, exit code); blamed first: an `error: ...` line, a kill, a crash, another
+    line (a consequence), an exit code alone, SIGTERM (torchrun's to the rest)."""
     recorded = os.path.isfile(failure.error_file) and isinstance(failure.message, dict)
     message = failure.message if recorded else None
     word = message.get("extraInfo", {}).get("py_callstack", "").strip() if message and "errorCode" in message else ""

@@ -1,8 +1,5 @@
-"""Published weights: torchvision's, by name (e.g. ResNet18_Weights.DEFAULT), from torch's
-hub cache (TORCH_HOME/hub/checkpoints, by default ~/.cache/torch). The run never downloads
-them: every process of every node would fetch the same file at once, and cluster nodes
-often have no internet; the error gives the command to fetch them once where there is.
-"""
+"""torchvision's weights by name, from torch's hub cache. Never downloaded: every process would fetch at once,
+and cluster nodes often have no internet."""
 
 from pathlib import Path
 from urllib.parse import urlparse
@@ -19,10 +16,7 @@ SHOWN = 6  # fresh tensors named in the line; the rest are counted
 
 
 def load_pretrained(model: nn.Module, name: str) -> None:
-    """Copy the weights called `name` into `model` wherever a tensor's name and shape
-    match; the others keep their fresh initialisation, and rank 0 says which in one line.{% if cookiecutter.fsdp %}
-    On the meta device (FSDP's ranks other than 0) nothing is read: rank 0's weights
-    reach those ranks at setup.{% endif %}"""
+    """Where name and shape match; rank 0 says which stay fresh.{% if cookiecutter.fsdp %} On meta (FSDP), rank 0's come at setup.{% endif %}"""
 {%- if cookiecutter.fsdp %}
     if any(p.is_meta for p in model.parameters()):
         return

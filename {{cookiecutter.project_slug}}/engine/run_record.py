@@ -1,10 +1,4 @@
-"""What a run leaves about itself. What produced it (git commit, versions, launch, hosts):
-in every checkpoint ("provenance"), atop output_dir/config.yaml, and the commit, or why
-there is none, in the run's opening line. git runs in the project folder without the
-repository's fsmonitor command, optional locks or prompts, and is stopped, with what it
-started (a filter), after GIT_TIMEOUT seconds. train.log: everything rank 0 prints, across
-resumes. (The flight recorder on a hang is engine/distributed.py's, with this part.)
-"""
+"""What produced a run (git commit, versions, launch, hosts), for checkpoints and the saved config; train.log."""
 
 import contextlib
 import importlib.metadata
@@ -22,14 +16,12 @@ import torch
 from engine.distributed import DistEnv, all_gather_objects, broadcast_from_main, is_main
 
 GIT_TIMEOUT = 10  # seconds for both git calls: a repository's own hooks or filters may hang
-# No optional lock (a run must not block the user's git), no questions, English.
 GIT_ENV = {"GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C"}
 NOT_ASKED = {"unknown": "git commit not recorded (provenance=false)"}
 
 
 def describe_run(env: DistEnv, code: Path, record_git: bool = True) -> dict:
-    """The run's provenance, the same on every rank (one git call per job), for the project
-    folder `code`; `record_git`: the config's `provenance`. Every rank must call this."""
+    """The same on every rank (one git call per job). Every rank must call this."""
     hosts = all_gather_objects(socket.gethostname())
     state = (git_state(code) if record_git else NOT_ASKED) if is_main() else None
     cuda = torch.cuda.is_available()
@@ -47,13 +39,11 @@ def describe_run(env: DistEnv, code: Path, record_git: bool = True) -> dict:
     }
 
 
-class GitFailed(Exception):
-    """git did not say: the message is why, for the run's opening line."""
+class GitFailed(Exception): ...
 
 
 def git_state(folder: Path, timeout: float = GIT_TIMEOUT) -> dict | None:
-    """{"commit": sha, "dirty": whether tracked or new files differ from it}; None outside
-    a git repository; {"unknown": why} where git is missing, fails or does not answer."""
+    """{"commit": sha, "dirty": bool}; None outside a repository; {"unknown": why} if git fails."""
     deadline = time.monotonic() + timeout
     try:
         head = git(folder, deadline, "rev-parse", "HEAD")
@@ -65,7 +55,7 @@ def git_state(folder: Path, timeout: float = GIT_TIMEOUT) -> dict | None:
 
 
 def git(folder: Path, deadline: float, *args: str) -> str | None:
-    """git's output; None outside a repository. A session of its own: a timeout stops its children too."""
+    """None outside a repository. A session of its own: a timeout stops its children too."""
     try:
         command, env = ["git", "-c", "core.fsmonitor=false", *args], {**os.environ, **GIT_ENV}
         pipes = {"stdin": subprocess.DEVNULL, "stdout": subprocess.PIPE, "stderr": subprocess.PIPE}
@@ -88,7 +78,6 @@ def git(folder: Path, deadline: float, *args: str) -> str | None:
 
 
 def commit_line(provenance: dict) -> str:
-    """E.g. 'commit 1a2b3c4d5e6f (uncommitted changes)', for the run's opening line."""
     state = provenance["git"]
     if state is None:
         return "no git commit (not a git repository)"
@@ -98,7 +87,6 @@ def commit_line(provenance: dict) -> str:
 
 
 def header(provenance: dict, most_hosts: int = 8) -> str:
-    """Comment lines for the top of the saved config: what produced the run."""
     launch, hosts = provenance["launch"], provenance["hosts"]
     shown = ", ".join(f"{name} {version}" for name, version in provenance["versions"].items() if version)
     more = f" and {len(hosts) - most_hosts} more" if len(hosts) > most_hosts else ""
@@ -110,14 +98,12 @@ def header(provenance: dict, most_hosts: int = 8) -> str:
 
 
 def keep_output_in(path: Path) -> None:
-    """What the process prints from here on (its errors too) also appended to `path`, bar frames aside."""
     record = path.open("a", encoding="utf-8", buffering=1)  # a line at a time
     sys.stdout, sys.stderr = AlsoTo(sys.stdout, record), AlsoTo(sys.stderr, record)
 
 
 class AlsoTo:
-    """A text stream that also writes to a record file, but for a progress bar's frames. A
-    write that fails (a full disk) ends the record, said once on the terminal: the run goes on."""
+    """A stream also writing to a record file, bar frames aside; a failed write (full disk) ends the record."""
 
     def __init__(self, stream, record):
         self.stream, self.record = stream, record

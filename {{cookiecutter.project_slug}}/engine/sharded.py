@@ -1,13 +1,5 @@
-"""Sharded checkpoints with torch.distributed.checkpoint (DCP), the FSDP part's FOLDERS: every
-rank writes and reads only its own shards, and DCP reshards on load (any number of processes).
-
-A save is a folder, step-00001234.dcp/: every rank writes its shards into '.step-N.dcp.tmp',
-rank 0 adds .metadata and run_state.pt (the rest) and renames it once all is on disk; a folder
-is never replaced (a step saved again: step-N.1.dcp). Reading runs no code from the files:
-DCP's reader unpickles `.metadata` with plain `pickle.load` and non-tensor items with
-`torch.load(weights_only=False)`; `SafeReader` allows DCP's metadata classes only, and reads
-every non-tensor item weights-only first.
-"""
+"""Sharded checkpoint folders with torch.distributed.checkpoint (DCP): each rank writes and reads its own
+shards, resharded on load. DCP's reader unpickles freely; `SafeReader` runs no code from the files."""
 
 import errno
 import io
@@ -38,8 +30,7 @@ from engine.files import atomic_write, fsync_dir
 METADATA_FILE = ".metadata"
 RUN_STATE = "run_state.pt"  # in a checkpoint folder: all but the model's, the optimizer's and the parts' tensors
 DCP_METADATA = "Metadata TensorStorageMetadata BytesStorageMetadata ChunkStorageMetadata TensorProperties MetadataIndex"
-# Everything a `.metadata` file of DCP's file system writer refers to (torch 2.x).
-METADATA_GLOBALS = {
+METADATA_GLOBALS = {  # everything a `.metadata` file of DCP's file system writer refers to (torch 2.x)
     *(f"torch.distributed.checkpoint.metadata.{name}" for name in DCP_METADATA.split()),
     "torch.distributed.checkpoint.metadata.StorageMeta",
     "torch.distributed.checkpoint.metadata._MEM_FORMAT_ENCODING",
@@ -53,8 +44,6 @@ METADATA_GLOBALS = {
 
 
 class MetadataUnpickler(checkpoint.PlainUnpickler):
-    """Builds DCP's metadata objects and torch's dtypes (without importing a submodule) only."""
-
     ALLOWED = METADATA_GLOBALS
 
     def find_class(self, module: str, name: str):
@@ -65,7 +54,6 @@ class MetadataUnpickler(checkpoint.PlainUnpickler):
 
 
 def read_metadata(path: Path) -> Metadata:
-    """A DCP metadata file, unpickled safely, whose shard files are all there and whole; else one line."""
     try:
         with path.open("rb") as f:
             metadata = MetadataUnpickler(f).load()
@@ -87,11 +75,8 @@ def read_metadata(path: Path) -> Metadata:
 
 
 def check_storage(storage: dict, path: Path) -> None:
-    """Every entry in a file of the folder itself, stored as written (no transforms such as
-    compression): a hostile metadata file could otherwise have a load read any file on the
-    machine, or inflate a small one. And every such file there and reaching its last item's
-    end: a file cut short or lost is said here, in one line and alike on every rank, before
-    DCP reads it (on several processes a short read can abort the process)."""
+    """Entries only in the folder's own untransformed files, which must be whole: a hostile file could have a
+    load read any file or inflate one, and on several processes a short read can abort the process."""
     ends: dict[str, int] = {}
     folder = path.parent
     for info in storage.values():
@@ -115,8 +100,6 @@ def check_storage(storage: dict, path: Path) -> None:
 
 
 class SafeReader(FileSystemReader):
-    """DCP's file system reader that runs no code from the checkpoint (module docstring)."""
-
     def read_metadata(self, *args, **kwargs) -> Metadata:
         metadata = read_metadata(Path(self._get_metadata_path(kwargs.get("rank"))))
         metadata.storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
@@ -128,8 +111,7 @@ class SafeReader(FileSystemReader):
 
 
 class WeightsOnlyBytes:
-    """A load planner whose non-tensor items were first read by torch's weights-only
-    unpickler: what reaches the real planner is plain data, saved again by us."""
+    """A load planner whose non-tensor items are first read weights-only, then saved again as plain data."""
 
     def __init__(self, planner, path: str):
         self.planner, self.path = planner, path
@@ -152,13 +134,11 @@ class WeightsOnlyBytes:
 
 
 def sharded_state_dict(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
-    """This rank's shards of the model and optimizer (plain tensors when not sharded)."""
     return {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
 
 
 def save_sharded(state_dict: dict, directory: Path, shown: Path) -> None:
-    """Every rank writes its shards into `directory`, rank 0 `.metadata` after all have; if
-    any rank fails, every rank raises CheckpointError naming `shown` (its final name)."""
+    """If any rank fails, every rank raises CheckpointError naming `shown`."""
     try:
         dcp.save(state_dict, storage_writer=FileSystemWriter(str(directory), sync_files=True))
     except CheckpointException as error:
@@ -171,9 +151,7 @@ def save_sharded(state_dict: dict, directory: Path, shown: Path) -> None:
 def load_sharded(
     model: torch.nn.Module, directory: Path, optimizer: torch.optim.Optimizer | None = None, part: str = "model"
 ) -> None:
-    """A checkpoint folder's `part` weights ("model", or "ema": the average of the weights),
-    checked against the model, and the optimizer's state when given (else never read), each
-    rank reading only its own shards, resharded to this run's processes. Every rank must call this."""
+    """A folder's `part` weights ("model", "ema") and the optimizer's state if given. Every rank must call this."""
     metadata = read_metadata(directory / METADATA_FILE)  # DCP would take a refusal for a missing file and go on
     shapes = {  # the full shapes and dtypes, as meta tensors (no data)
         key.removeprefix(f"{part}."): torch.empty(tuple(value.size), dtype=value.properties.dtype, device="meta")
@@ -194,8 +172,7 @@ def load_sharded(
 
 
 def load_full(directory: Path, keys: set[str] | None = None) -> dict:
-    """Every tensor of a checkpoint folder (or those under the top-level `keys`), whole, on
-    this process's CPU, without collectives: one process reads the checkpoint."""
+    """Every tensor of a folder (or under `keys`), whole, on the CPU, without collectives."""
     read_metadata(directory / METADATA_FILE)  # DCP would take a refusal for a missing file and go on
     state_dict: dict = {}
     try:
@@ -207,8 +184,7 @@ def load_full(directory: Path, keys: set[str] | None = None) -> dict:
 
 
 def failed(error: CheckpointException, what: str) -> CheckpointError:
-    """The first rank's failure of those DCP collected: our own refusal as raised, else `what`
-    and one line (an OSError's strerror such as "No space left on device")."""
+    """The first rank's failure: our own refusal as raised, else `what` and one line."""
     failure = next(iter((getattr(error, "failures", None) or {}).values()), error)
     failure = failure[0] if isinstance(failure, tuple) else failure  # (exception, traceback)
     if isinstance(failure, CheckpointError):
@@ -217,8 +193,7 @@ def failed(error: CheckpointException, what: str) -> CheckpointError:
 
 
 def read_checkpoint(path: Path, tensors: bool) -> dict:
-    """A checkpoint folder's run state, checked as load_checkpoint checks a file; with
-    `tensors`, every tensor too, whole, on this process's CPU."""
+    """A folder's run state, checked as load_checkpoint checks a file; with `tensors`, every tensor too."""
     if not any((path / name).exists() for name in (METADATA_FILE, RUN_STATE)):
         raise not_ours(path, "a folder without .metadata or run_state.pt")
     metadata = read_metadata(path / METADATA_FILE)  # refuses a hostile or torn folder before anything else is read
@@ -236,14 +211,11 @@ def read_checkpoint(path: Path, tensors: bool) -> dict:
 
 
 def holds(path: Path, part: str) -> bool:
-    """Whether a checkpoint folder's metadata lists `part`'s weights ("model", "ema")."""
     return any(key.startswith(f"{part}.") for key in read_metadata(path / METADATA_FILE).state_dict_metadata)
 
 
 def save_folder(checkpointer, state, run_state: dict, is_best: bool) -> None:
-    """Every rank writes its shards of the model, the optimizer and the parts' weights into
-    a temporary folder; rank 0 adds run_state.pt and renames the folder into place only when
-    all of it is on disk. Every rank must call this."""
+    """Into a temporary folder, renamed into place once all is on disk. Every rank must call this."""
     directory, keep_last = checkpointer.directory, checkpointer.cfg.checkpoint.keep_last
     tmp = directory / f".step-{state.step:08d}.dcp.tmp"
     with stop_all_if_any_fails(checkpointer.device):
@@ -270,7 +242,6 @@ def save_folder(checkpointer, state, run_state: dict, is_best: bool) -> None:
 
 
 def commit_folder(tmp: Path, final: Path, run_state: dict) -> None:
-    """Add run_state.pt to a folder of every rank's shards, then rename it to `final`."""
     atomic_write(tmp, RUN_STATE, lambda f: torch.save(run_state, f))
     fsync_dir(tmp)
     os.rename(tmp, final)

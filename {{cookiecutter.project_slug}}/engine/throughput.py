@@ -1,9 +1,4 @@
-"""Speed in the task's own units, and the model FLOPs utilisation (MFU). Items: model.py's
-optional `count_items(batch) -> (unit, count)`, e.g. ("tokens", non-padding tokens), gives
-`<unit>_per_s`. MFU: the first micro-batch's FLOPs (forward, backward and any recomputed
-activations, by FlopCounterMode) times micro-batches per second over the device's peak
-(train.peak_tflops, else PEAK_TFLOPS's under bf16/fp16); no peak, nothing counted.
-"""
+"""Speed in the task's units (model.py's `count_items`) and model FLOPs utilisation (MFU) from the first micro-batch."""
 
 import contextlib
 import re
@@ -13,8 +8,7 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from engine.errors import TaskError
 
-# Dense bf16/fp16 tensor-core TFLOPS (FP32 accumulation), NVIDIA's data sheets, by a whole
-# word of the device name (L4 is not L40, A100 not A1000); the first match counts.
+# Dense bf16/fp16 TFLOPS, NVIDIA's data sheets; the first whole word of the device name (L4 is not L40) counts.
 PEAK_TFLOPS = (
     ("B200", 2250.0),
     ("H200", 989.0),
@@ -31,7 +25,6 @@ PEAK_TFLOPS = (
 
 
 def peak_flops(configured_tflops: float, device_name: str | None, precision: str) -> float | None:
-    """One device's FLOPs per second; None when unknown (CPU, fp32, an unlisted GPU)."""
     if configured_tflops:
         return configured_tflops * 1e12
     name = device_name or ""
@@ -41,9 +34,6 @@ def peak_flops(configured_tflops: float, device_name: str | None, precision: str
 
 
 class Throughput:
-    """The task's items (model.py's `count_items`), summed on the device (no host sync per
-    step), and the FLOPs of one micro-batch, counted once when a peak is known."""
-
     def __init__(self, count_items=None, peak: float | None = None, device: torch.device | None = None):
         self.count_items, self.peak = count_items, peak
         self.unit = self.flops_per_micro_batch = None
@@ -57,7 +47,6 @@ class Throughput:
 
     @contextlib.contextmanager
     def counting_flops(self):
-        """Around a micro-batch's forward and backward: counts the first one's FLOPs."""
         if self.peak is None or self.flops_per_micro_batch is not None:
             yield
             return
@@ -84,7 +73,6 @@ class Throughput:
         self.unit = unit
 
     def total_items(self) -> torch.Tensor:
-        """This rank's items since the last reset, on the device."""
         return self.items + self.host_items
 
     def reset(self) -> None:
@@ -92,7 +80,6 @@ class Throughput:
         self.host_items = 0.0
 
     def figures(self, items_total: float, micro_batches: int, elapsed: float) -> dict:
-        """<unit>_per_s over every rank; model_tflops_per_s and mfu per device, where known."""
         figures = {} if self.unit is None else {f"{self.unit}_per_s": items_total / max(elapsed, 1e-9)}
         if self.flops_per_micro_batch is not None:
             achieved = self.flops_per_micro_batch * micro_batches / max(elapsed, 1e-9)

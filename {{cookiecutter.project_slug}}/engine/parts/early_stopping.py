@@ -1,7 +1,4 @@
-"""Early stopping: end the run when checkpoint.best_metric has stopped improving. Every
-rank decides alike without communicating (engine.metrics reduces the validation metrics
-exactly); the count is in the checkpoint, so a resumed or requeued run keeps it.
-"""
+"""End the run when checkpoint.best_metric stops improving; every rank decides alike, the count is checkpointed."""
 
 from dataclasses import dataclass
 
@@ -35,7 +32,6 @@ class EarlyStopping(Part):
         self.epochs_without_improvement = 0
 
     def after_evaluation(self, state, val_metrics: dict) -> None:
-        """Count the epoch just evaluated (before its checkpoint, which then holds it)."""
         value = val_metrics[self.metric]
         if self.best is None or self.sign * (value - self.best) > self.min_delta:
             self.best, self.epochs_without_improvement = value, 0

@@ -1,9 +1,5 @@
-"""Freezing part of the model, e.g. a pretrained backbone: the parameters whose names start
-with one of freeze.params' prefixes get no gradient, so backward skips them and the
-optimizer leaves them as they are. With freeze.epochs, only for that many epochs: they are
-in the optimizer from the start (recipe.py gets them as `joins_later`), and at the unfreeze
-the model is wrapped again, since DDP fixes which parameters it all-reduces when built.
-"""
+"""Freezing the parameters under freeze.params' prefixes, e.g. a pretrained backbone; with freeze.epochs, only
+that long: the model is then wrapped again, since DDP fixes which parameters it all-reduces when built."""
 
 from dataclasses import dataclass
 from typing import ClassVar
@@ -50,7 +46,7 @@ class Freezing(Part):
         self.wrapped_frozen = True  # the DDP wrapper was built with the frozen parameters left out
 
     def set_requires_grad(self, model: nn.Module, epoch: int) -> bool:
-        """The parameters frozen or not, as at `epoch`; whether they are frozen."""
+        """The parameters frozen or not as at `epoch`; whether frozen."""
         frozen = self.epochs == 0 or epoch < self.epochs
         for name, parameter in model.named_parameters():
             if name.startswith(self.prefixes):
@@ -58,7 +54,6 @@ class Freezing(Part):
         return frozen
 
     def prepare_model(self, model: nn.Module) -> nn.Module:
-        """The model as at the first epoch; a prefix that names no parameter is an error."""
         names = [name for name, _ in model.named_parameters()]
         for prefix in self.prefixes:
             if not any(name.startswith(prefix) for name in names):
@@ -77,7 +72,7 @@ class Freezing(Part):
         return dict.fromkeys(names, self.epochs * steps_per_epoch) if self.epochs else {}
 
     def before_load(self, state, trained_epoch: int) -> None:
-        # As in the checkpoint's last step: the optimizer loads state for the parameters that needed gradients then.
+        # The optimizer loads state for the parameters that needed gradients at the checkpoint's step.
         self.set_requires_grad(state.model, trained_epoch)
 
     def start_epoch(self, state) -> bool:

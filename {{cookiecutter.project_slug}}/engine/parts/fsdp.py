@@ -1,9 +1,4 @@
-"""FSDP (a part, fsdp.enabled): parameters, gradients and optimizer state sharded across
-processes, for models too big for one device. The full model never reaches a device: rank
-0 builds it in host memory, the others on meta; the structure is sharded per block
-(model.py's BLOCKS) and rank 0's tensors sent to the shards one at a time; tied weights stay
-tied. Checkpoints are folders of every rank's shards (engine/sharded.py), one kind per run.
-"""
+"""FSDP (a part): the model sharded per block; rank 0 builds it in host memory, the other ranks on meta."""
 
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,12 +34,8 @@ class Fsdp(Part):
     name = "fsdp"
     saves_sharded = True  # checkpoints are sharded folders, on one process too
 {%- if cookiecutter.host_tuning %}
-    # Blocks above 128 KiB get their own mmap and go back when freed: FSDP gathers each
-    # block's parameters and gradients whole for every use, then frees them; kept in the
-    # heap they fragment it and the sharding's saving is lost. A 101M-parameter MLP of 24
-    # blocks, AdamW, 2 CPU processes: peak RSS per rank 1,590 MiB with this, 2,827-3,347
-    # without (DDP: 2,443-2,531). Set before setup (train.py), which frees one full tensor
-    # after another: rank 1 then held 0.52x the weights at its first step, not 2.3-2.7x.
+    # Blocks above 128 KiB mmapped, so FSDP's gathered-then-freed blocks do not fragment the heap:
+    # a 101M-parameter MLP, 2 CPU processes: peak RSS per rank 1,590 MiB with this, 2,827-3,347 without.
     host_allocator = {M_MMAP_THRESHOLD: 128 * 2**10}
 {%- endif %}
 
@@ -52,23 +43,19 @@ class Fsdp(Part):
         self.shards_model = env.world_size > 1  # on one process the model stays whole
 
     def build_model(self, build: Callable[[], nn.Module], cfg, env, device, blocks) -> nn.Module | None:
-        """Built on meta (rank 0: in host memory, then to meta), sharded, then rank 0's values
-        sent tensor by tensor. Every rank must call this."""
+        """Every rank must call this."""
         if not self.shards_model:
             return None
         with stop_all_if_any_fails(device):  # a build failing on some ranks only stops all
             if is_main():
                 model = build()
-                # The values, kept while the module goes to meta; the buffers, non-persistent ones too.
                 full, buffers = model.state_dict(), dict(model.named_buffers())
                 move_to_meta(model)
             else:
                 model, full, buffers = build_on_meta(build), {}, {}
         model = prepare_modules(model, cfg, env, device, blocks)
         check_ties_within_blocks(model, blocks)
-        # fully_shard per block, then the root: one all-gather per block, freed after use.
-        # bf16/fp16 parameters for the compute and all-gathers, fp32 gradients for the
-        # reduce-scatter (a sum of N low-precision gradients loses bits); fp32: no casts, exact.
+        # fp32 gradients for the reduce-scatter: a sum of N low-precision gradients loses bits.
         dtype = AMP_DTYPES.get(cfg.train.precision)  # None for fp32
         policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype else None)
         offload = CPUOffloadPolicy(pin_memory=device.type == "cuda") if cfg.fsdp.cpu_offload else OffloadPolicy()
@@ -85,13 +72,11 @@ class Fsdp(Part):
 
 
 def move_to_meta(model: nn.Module) -> None:
-    """The model's tensors to the meta device, tied ones still tied: `to("meta")` gives
-    each module a tensor of its own, so tied weights would come apart on rank 0 while the
-    ranks that built on meta keep them shared, and the ranks' shards would differ."""
+    """Tied tensors stay tied: `to("meta")` alone unties them, and rank 0's shards would differ from the rest."""
     groups = tied_names(model.named_parameters(remove_duplicate=False))
     groups += tied_names(model.named_buffers(remove_duplicate=False))
     model.to("meta")
-    for first, *others in groups:  # each group's names one tensor again: the first name's
+    for first, *others in groups:
         shared = getattr(*owner(model, first))
         for name in others:
             setattr(*owner(model, name), shared)
@@ -103,7 +88,6 @@ def owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
 
 
 def tied_names(named_tensors) -> list[list[str]]:
-    """The names of each tensor that appears under several (tied)."""
     names: dict[torch.Tensor, list[str]] = {}  # tensors hash by identity
     for name, tensor in named_tensors:
         names.setdefault(tensor, []).append(name)
@@ -122,8 +106,7 @@ def build_on_meta(build: Callable[[], nn.Module]) -> nn.Module:
 
 
 def check_ties_within_blocks(model: nn.Module, blocks) -> None:
-    """Refuse tied parameters that sharding per block would split: FSDP gathers each
-    block's parameters on their own, so a tied one must stay within one block, or outside all."""
+    """FSDP gathers each block on its own: a tied parameter must stay within one block, or outside all."""
     owners = {}  # each parameter name's innermost block, or the root: (its name, the module)
     for name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, blocks) or module is model:

@@ -1,10 +1,5 @@
-"""The memory report (a part): every rank's memory each epoch (metrics.jsonl "memory", rank
-0's table), so that imbalance (one rank, usually GPU 0, holding far more) and growth (a
-leak) show; and, from NVML (the optional nvidia-ml-py, `pip install -e ".[gpu]"`), which
-processes hold memory on each node's GPUs: another process's context or tensors on GPU 0
-(a load without map_location, CUDA before `set_device`, a leftover run) never show in this
-process's torch.cuda figures. Each node's local rank 0 asks NVML about its node alone.
-"""
+"""The memory report (a part): every rank's memory each epoch, so imbalance and leaks show; and,
+from NVML (optional nvidia-ml-py), the processes on each node's GPUs, which torch.cuda cannot see."""
 
 import gc
 import importlib.util
@@ -46,7 +41,6 @@ UNREADABLE = {"rss_mib": f"no {STATM}", "heap_used_mib": "no glibc mallinfo2"}  
 
 
 def memory_snapshot(device: torch.device) -> dict:
-    """This process's memory in MiB; the CUDA peaks since the last report. ~0.1 s (live tensors)."""
     per_mib = 2**20 if sys.platform == "darwin" else 2**10  # ru_maxrss: bytes on macOS, KiB on Linux
     snapshot = {"rss_peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / per_mib, 1)}
     if STATM.is_file():
@@ -59,8 +53,7 @@ def memory_snapshot(device: torch.device) -> dict:
 
 
 def count_live_tensors() -> int:
-    """Tensors the garbage collector tracks (not those frozen at setup): growth is a leak.
-    By type(), which neither wakes a dead weak proxy nor pokes deprecated torch objects."""
+    # By type(): it neither wakes a dead weak proxy nor pokes deprecated torch objects.
     return sum(issubclass(type(obj), torch.Tensor) for obj in gc.get_objects())
 
 
@@ -69,7 +62,6 @@ def imbalance_key(per_rank: list[dict]) -> str:
 
 
 def memory_table(per_rank: list[dict], most_rows: int = TABLE_ROWS) -> str:
-    """A row per rank; beyond `most_rows` ranks, rank 0's and those holding the most."""
     keys, key = list(per_rank[0]), imbalance_key(per_rank)
     width = max(map(len, keys)) + 1
     shown = sorted(range(1, len(per_rank)), key=lambda rank: per_rank[rank][key], reverse=True)[: most_rows - 1]
@@ -94,8 +86,6 @@ def imbalance_warning(per_rank: list[dict]) -> str | None:
 
 
 def train_state_mib(state) -> dict:
-    """This rank's weights and optimizer state in MiB: all under DDP, its shards under FSDP."""
-
     def local_mib(tensors) -> float:
         tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors if isinstance(t, torch.Tensor)]
         return round(sum(t.nbytes for t in tensors) / 2**20, 1)
@@ -105,9 +95,7 @@ def train_state_mib(state) -> dict:
 
 
 def report_memory(device: torch.device, when: str, held: dict | None = None) -> list[dict] | None:
-    """Every rank's figures (and `held`) logged and returned on rank 0, None elsewhere; then the
-    GPU section. Every rank must call this. The CUDA peaks then restart (on every rank alike,
-    so the imbalance warning compares like with like): a setup peak hides no later epoch's."""
+    """Every rank must call this; returns the figures on rank 0. CUDA peaks restart on every rank alike."""
     per_rank = gather_objects_on_main({**memory_snapshot(device), **(held or {})})
     if is_main():
         missing = ", ".join(f"{key} ({why})" for key, why in UNREADABLE.items() if key not in per_rank[0])
@@ -121,8 +109,7 @@ def report_memory(device: torch.device, when: str, held: dict | None = None) -> 
     return per_rank
 
 
-# select_device gives each process of the job a GPU of its own: one of them per GPU at most.
-EXPECTED_PER_GPU = 1
+EXPECTED_PER_GPU = 1  # select_device gives each process a GPU of its own
 SKIPPED = {
     "no gpu": "GPU memory by process: skipped (no GPU)",
     "no nvml": (
@@ -133,8 +120,6 @@ SKIPPED = {
 
 @dataclass(frozen=True)
 class GpuUsage:
-    """One GPU this process sees, in bytes as NVML tells (a process's: None if it does not)."""
-
     cuda_index: int  # cuda:N in this process
     nvml_index: int  # the index nvidia-smi shows
     used: int
@@ -147,7 +132,6 @@ class GpuUsage:
 
 
 def gpu_section_choice(device_type: str, has_nvml: bool, rank: int, local_rank: int) -> str:
-    """Read NVML on each node's local rank 0; else rank 0 alone says why not (SKIPPED)."""
     if device_type == "cuda" and has_nvml:
         return "read" if local_rank == 0 else "nothing"
     return "nothing" if rank else ("no nvml" if device_type == "cuda" else "no gpu")
@@ -166,7 +150,7 @@ def gpu_table(host: str, when: str, gpus: list[GpuUsage]) -> str:
 
 
 def extra_process_warnings(host: str, gpus: list[GpuUsage], expected: int = EXPECTED_PER_GPU) -> list[str]:
-    """Processes are counted, not matched to the job's pids: a container's NVML gives the host's."""
+    # Counted, not matched to the job's pids: a container's NVML gives the host's.
     return [
         f"warning: {host}: {gpu.name} holds {len(gpu.processes)} processes, expected {expected} at most ("
         + ", ".join(f"pid {pid} {mib(size)} MiB" for pid, size in gpu.processes)
@@ -178,8 +162,6 @@ def extra_process_warnings(host: str, gpus: list[GpuUsage], expected: int = EXPE
 
 
 def read_gpus() -> list[GpuUsage]:
-    """Every GPU this process sees, in torch's order, matched to NVML's own numbering by UUID
-    (a GPU NVML does not list whole, a MIG instance, is a LookupError)."""
     import pynvml  # optional (nvidia-ml-py)
 
     pynvml.nvmlInit()
@@ -201,7 +183,6 @@ def read_gpus() -> list[GpuUsage]:
 
 
 def nvml_lines(host: str, when: str, main: bool) -> list[str]:
-    """Rank 0's table and any node's warnings; NVML failing is one line: the training goes on."""
     import pynvml
 
     try:
@@ -212,7 +193,7 @@ def nvml_lines(host: str, when: str, main: bool) -> list[str]:
 
 
 def report_gpu_processes(device: torch.device, when: str, say_skipped: bool = True) -> None:
-    """The GPU section of a memory report; no collective: any rank may call it alone."""
+    """No collective: any rank may call it alone."""
     has_nvml = importlib.util.find_spec("pynvml") is not None
     choice = gpu_section_choice(device.type, has_nvml, get_rank(), parse_dist_env(os.environ).local_rank)
     if choice in SKIPPED and say_skipped:

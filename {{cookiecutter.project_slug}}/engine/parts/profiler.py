@@ -1,7 +1,4 @@
-"""Profiling: a few optimizer steps recorded with torch.profiler, into a trace that
-TensorBoard's profiler plugin and Perfetto (ui.perfetto.dev) open. It hangs on the
-optimizer (a step hook), so the loop does not change and the other steps cost nothing.
-"""
+"""A few optimizer steps recorded with torch.profiler (for TensorBoard or ui.perfetto.dev), by a step hook."""
 
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,8 +27,6 @@ def build(cfg, env) -> "Profiler | None":
 
 
 class Profiler(Part):
-    """Records steps profiler.start_step to start_step + steps - 1 (numbered as in the log)."""
-
     name = "profiler"
 
     def __init__(self, section: Section, rank: int, output_dir: str):
@@ -45,11 +40,8 @@ class Profiler(Part):
                 log(f"profiling skipped: the run resumes at step {state.step}, after profiler.start_step={self.first}")
             return
         warmup = min(before, 1)  # a step to settle the profiler's own start, when there is one
-        self.profiler = profile(  # on the CPU and each accelerator present (torch's default)
-            schedule=schedule(wait=before - warmup, warmup=warmup, active=self.count, repeat=1),
-            on_trace_ready=self.trace,
-            record_shapes=True,
-        )
+        plan = schedule(wait=before - warmup, warmup=warmup, active=self.count, repeat=1)
+        self.profiler = profile(schedule=plan, on_trace_ready=self.trace, record_shapes=True)  # CPU and accelerators
         self.profiler.start()
         self.remaining = before + self.count
         state.optimizer.register_step_post_hook(self.advance)

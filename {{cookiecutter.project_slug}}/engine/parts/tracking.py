@@ -1,11 +1,5 @@
-"""Where rank 0 sends the run's figures besides metrics.jsonl: TensorBoard, Weights & Biases,
-MLflow (tracking.tensorboard/wandb/mlflow), the same curves in each; W&B and MLflow also get
-the config as hyperparameters and each epoch's memory table. The runs' ids are checkpointed:
-a resumed run goes on in the same runs (a fresh output_dir starts new ones), its x-axis the
-optimizer step, so steps trained again are logged again. A tracker that fails mid-run is
-dropped with a warning: metrics.jsonl has everything, and an error on rank 0 alone would
-leave the other ranks waiting.
-"""
+"""Rank 0's figures to TensorBoard, Weights & Biases and MLflow; the runs' ids are checkpointed, so a
+resume goes on in the same runs. A tracker failing mid-run is dropped: an error on rank 0 alone would hang the rest."""
 
 import importlib
 import time
@@ -66,18 +60,13 @@ class Tracking(Part):
         self.each_tracker(lambda tracker: tracker.add_scalars(step, scalars))
 
     def log_epoch(self, row: dict) -> None:
-        def send(tracker) -> None:
-            tracker.add_scalars(row["step"], epoch_scalars(row))
-            tracker.end_epoch(row["step"], row.get("memory"))
-
-        self.each_tracker(send)
+        self.each_tracker(lambda tracker: tracker.add_scalars(row["step"], epoch_scalars(row)))
+        self.each_tracker(lambda tracker: tracker.end_epoch(row["step"], row.get("memory")))
 
     def close_log(self, failed: bool) -> None:
-        # What is still buffered reaches the disk or the server; an error marks the runs failed.
         self.each_tracker(lambda tracker: tracker.close(failed=failed))
 
     def each_tracker(self, call) -> None:
-        """`call(tracker)` for each tracker; one that fails is dropped with a warning."""
         for tracker in list(self.trackers):
             try:
                 call(tracker)
@@ -87,8 +76,7 @@ class Tracking(Part):
 
 
 def epoch_scalars(row: dict) -> dict:
-    """Tags for an epoch's row of metrics.jsonl: train_x as train/epoch_x, val_x as val/x,
-    a part's ema_val_x as val_ema/x; memory: rank 0's figure and the ranks' largest (_max)."""
+    """train_x as train/epoch_x, val_x as val/x, ema_val_x as val_ema/x; memory: rank 0's and the max."""
     scalars = {"throughput/samples_per_s": row["samples_per_s"]}
     for key, value in row.items():
         if key.endswith("_per_s") or key == "mfu":  # the task's items{{ ", model FLOPs (engine/throughput.py)" if cookiecutter.throughput }}
@@ -107,7 +95,6 @@ def epoch_scalars(row: dict) -> dict:
 
 
 def start(kind: type, cfg, run_id: str | None, start_step: int) -> list:
-    """The tracker, or one line why not; TensorBoard's missing package is a warning only."""
     switch = f"tracking.{kind.name}"
     try:
         return [kind(cfg, run_id, start_step)]
@@ -124,7 +111,6 @@ def start(kind: type, cfg, run_id: str | None, start_step: int) -> list:
 
 
 def hyperparameters(values: dict, prefix: str = "") -> dict:
-    """The resolved config (`cfg.to_dict()`) as flat `section.key: value` pairs."""
     flat = {}
     for key, value in values.items():
         flat |= hyperparameters(value, f"{prefix}{key}.") if isinstance(value, dict) else {prefix + key: value}
@@ -132,14 +118,11 @@ def hyperparameters(values: dict, prefix: str = "") -> dict:
 
 
 class TensorBoardTracker:
-    """Curves in output_dir/tensorboard; it has no tables: memory shows as curves (memory/...)."""
-
     name, module, run_id = "tensorboard", "tensorboard", None
 
     def __init__(self, cfg, run_id: None, start_step: int):
         from torch.utils.tensorboard import SummaryWriter  # here: optional, and slow to import
 
-        # After a restart from an older checkpoint, the points beyond `start_step` were trained again: hidden.
         self.writer = SummaryWriter(str(Path(cfg.output_dir) / "tensorboard"), purge_step=start_step + 1)
 
     def add_scalars(self, step: int, scalars: dict) -> None:
@@ -154,9 +137,6 @@ class TensorBoardTracker:
 
 
 class WandbTracker:
-    """A W&B run, files in output_dir/wandb; WANDB_MODE=offline records without a network
-    (`wandb sync` uploads later), WANDB_ENTITY, WANDB_API_KEY etc. as wandb reads them."""
-
     name = module = "wandb"
 
     def __init__(self, cfg, run_id: str | None, start_step: int):
@@ -187,9 +167,6 @@ class WandbTracker:
 
 
 class MlflowTracker:
-    """An MLflow run at MLFLOW_TRACKING_URI (else ./mlflow.db), its parameters logged when it
-    is created: MLflow keeps a parameter's first value."""
-
     name, module = "mlflow", "mlflow.tracking"
 
     def __init__(self, cfg, run_id: str | None, start_step: int):
@@ -208,6 +185,7 @@ class MlflowTracker:
         experiment_id = experiment.experiment_id if experiment else self.client.create_experiment(project)
         name = cfg.tracking.run_name or Path(cfg.output_dir).name
         self.run_id = self.client.create_run(experiment_id, run_name=name).info.run_id
+        # Logged at creation only: MLflow keeps a parameter's first value.
         params = [self.entities.Param(key, str(value)) for key, value in hyperparameters(cfg.to_dict()).items()]
         for first in range(0, len(params), 100):  # MLflow takes at most 100 per call
             self.client.log_batch(self.run_id, params=params[first : first + 100])

@@ -68,7 +68,6 @@ class NonFiniteGuard:
     """
 
     def __init__(self, train: TrainConfig, last_good: Callable[[], str], lr: float, device: torch.device):
-        """`last_good()` says which checkpoint the run leaves behind (the checkpointer's)."""
         self.max_bad_steps, self.last_good, self.lr = train.max_bad_steps, last_good, lr
         self.first_bad_step = torch.full((), -1, dtype=torch.int64, device=device)
         self.norms: list[torch.Tensor] = []  # of consecutive steps, from `self.norms_from`
@@ -77,8 +76,7 @@ class NonFiniteGuard:
         self.first_bad_later = LaggedValue()  # what `check_later` started reading
 
     def skip_step(self, grad_norm: torch.Tensor, step: int) -> bool:
-        """Record step `step`'s gradient norm; whether to skip its update. Skipping needs
-        the norm on the host at every step, so it is on only with train.max_bad_steps > 0."""
+        """Whether to skip the step; reading the norm then syncs, so only with train.max_bad_steps."""
 {%- if cookiecutter.fsdp %}
         if isinstance(grad_norm, DTensor):  # FSDP: the norm over every shard
             grad_norm = grad_norm.full_tensor()
@@ -114,17 +112,15 @@ class NonFiniteGuard:
         self.norms = []
 
     def check_later(self) -> None:
-        """Stop every rank together if a step before the previous call had non-finite
-        gradients; this call's steps are read at the next call (or by `check`). Nothing
-        waits for the device. Every rank must call this at the same steps."""
+        """Stop every rank if a step before the previous call was bad, without waiting for the
+        device. Every rank calls this at the same steps."""
         self.fold()
         first_bad = self.first_bad_later.swap(all_reduce_max_(self.first_bad_step.clone()))
         if first_bad is not None and first_bad >= 0:
             raise DivergedError(self.message(f"at step {first_bad}"))
 
     def check(self, scaler: torch.amp.GradScaler) -> None:
-        """Stop every rank together if a step had non-finite gradients, or fp16's loss
-        scale collapsed; waits for the device. Every rank must call this."""
+        """Stop every rank if a step was bad or fp16's scale collapsed; waits. Every rank calls this."""
         self.fold()
         first_bad = int(all_reduce_max_(self.first_bad_step.clone()))
         if first_bad >= 0:

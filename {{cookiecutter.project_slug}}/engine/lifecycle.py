@@ -1,20 +1,9 @@
 """A run's life: one run per output_dir (RunLock), and a clean stop when asked (StopRequest, Supervisor).
 
-One run per output_dir, so a second one (a double submit, a requeue race) never writes beside the first: rank 0
-creates <output_dir>/run.lock whole and exclusively, naming the holder's host, pid, launch and which start of the
-launch it is, and refreshes it every HEARTBEAT_S. A lock on disk is taken over when its holder is gone (an earlier
-start of the same SLURM job or torchrun launch; no live process with its pid on this host; no heartbeat for
-STALE_S, as from a dead node); else the run refuses at once, naming the holder. A torchrun launch is its run id
-(which two launches may share) with its store's address (which moves if rank 0 does on a restart): a holder with
-the same id from another host and store is watched, refused on a heartbeat and taken over after STALE_S of silence.
-
-A clean stop on SIGTERM (torchrun, SLURM), SIGINT (Ctrl-C), SIGUSR1 (SLURM's warning before the time limit) or
-the launcher's death. A signal may reach any of the processes: each only notes it, and at agreed optimizer steps
-(or rounds of evaluation batches) the ranks compare notes in one tiny all-reduce and stop together, rank 0 saving
-a checkpoint the next run resumes from exactly; well within the 30 s torchrun gives before SIGKILL. A launcher
-killed with -9 sends nothing, and its workers would train on, holding their GPUs: each rank a launcher started
-watches its parent, stops when it goes and exits ORPHAN_GRACE_S later if still there (`python train.py` is not
-watched: its shell may close on purpose). Such a stop exits STOPPED_EXIT_CODE; one at train.stop_at_step, 0.
+Rank 0 holds <output_dir>/run.lock (host, pid, launch, which start of it), refreshed every HEARTBEAT_S; a lock
+whose holder is gone (an earlier start of this launch, a dead pid here, STALE_S of silence) is taken over, else
+the run refuses (a double submit, a requeue race). A stop signal or the launcher's death is only noted; the ranks
+compare notes at agreed steps and stop together after a checkpoint, within the 30 s torchrun gives before SIGKILL.
 """
 
 import contextlib
@@ -45,7 +34,7 @@ LOCK_NAME = "run.lock"
 
 
 def count(value) -> int:
-    """A restart count as written (a string in the environment, a number in a lock); 0 if none."""
+    """A restart count, a string (environment) or a number (lock); 0 if none."""
     text = str(value)
     return int(text) if text.isascii() and text.isdigit() else 0
 
@@ -62,9 +51,7 @@ class RunLock:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            # What survives a restart of the same launch, and only of it.
             "launch": f"slurm:{job}" if job else f"torchrun:{torchrun}" if torchrun else "",
-            # Which start of it this is: the SLURM job's requeues, the torchrun launch's restarts.
             "requeues": count(os.environ.get("SLURM_RESTART_COUNT")),  # unset until the first requeue
             "torchrun": torchrun,
             "restarts": count(os.environ.get("TORCHELASTIC_RESTART_COUNT")),
@@ -88,7 +75,7 @@ class RunLock:
         return self
 
     def try_create(self) -> bool:
-        """Create the lock whole or not at all: a full disk never leaves an empty one to block the next start."""
+        """Whole or not at all: a full disk never leaves an empty lock to block the next start."""
         try:
             create_whole(self.path, lambda f: f.write(json.dumps(self.me).encode()))
         except FileExistsError:
@@ -208,7 +195,7 @@ class StopRequest:
             threading.Thread(target=self.watch_launcher, name="launcher-watch", daemon=True).start()
         return self
 
-    def launcher_gone(self) -> bool:  # handed to another parent: the launcher died
+    def launcher_gone(self) -> bool:
         return self.parent is not None and os.getppid() != self.parent
 
     def watch_launcher(self) -> None:
@@ -224,7 +211,7 @@ class StopRequest:
         self.signal_name = signal.Signals(signum).name
 
     def requested(self, step: int) -> bool:
-        """Whether to stop after optimizer step `step`; every rank must call this after every step."""
+        """Whether to stop after optimizer step `step`; every rank calls this after every step."""
         return self.noted_anywhere(self.between_steps, step) or step == self.stop_at_step
 
     def reason(self, step: int) -> str:
@@ -237,17 +224,15 @@ class StopRequest:
         return self.by_signal
 
     def during_evaluation(self) -> Callable[[int], bool]:
-        """For one evaluation: whether any rank got a stop signal, asked by every rank after each round of batches."""
+        """For one evaluation: asked by every rank after each round of batches."""
         return functools.partial(self.noted_anywhere, NoteComparison(self.group))
 
     def exit_code(self) -> int:
-        """The same on every rank: STOPPED_EXIT_CODE after a stop by a signal or the launcher's loss, else 0."""
         return STOPPED_EXIT_CODE if self.by_signal else 0
 
 
 class NoteComparison:
-    """Ranks compare notes (a stop signal or not) at counts they agree on, every ~CHECK_EVERY_SECONDS: rank 0
-    proposes the next count from its rate inside the same all-reduce, so no clock has to agree."""
+    """Stop notes compared at agreed counts; rank 0 proposes the next in the same all-reduce: no clock must agree."""
 
     def __init__(self, group):
         self.group = group  # None: one process, nothing to compare
@@ -273,8 +258,7 @@ class NoteComparison:
 
 
 def leave_stop_signals_to_the_rank(worker_id: int) -> None:
-    """In each DataLoader worker: ignore the stop signals that launchers send the rank's whole process group (a
-    worker killed so takes its rank down before its stop checkpoint), but obey a SIGTERM from the rank itself."""
+    """In a DataLoader worker: ignore the group's stop signals (its death would kill the rank's checkpoint)."""
     for sig in set(STOP_SIGNALS) - {signal.SIGTERM}:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started next inherit it
@@ -288,12 +272,11 @@ def exit_on_sigterm_from(rank_pid: int) -> None:
 
 
 class Supervisor:
-    """Runs commands (sweep.py's runs) one at a time, each in a session of its own, passing on the stop signals this
-    process gets inside `with Supervisor() as supervisor:`; if it dies (kill -9), the child gets SIGTERM (Linux)."""
+    """Runs sweep.py's commands one at a time, passing on its stop signals; if it dies, the child gets SIGTERM."""
 
     def __init__(self):
-        self.child = None  # the command running, if any
-        self.received = []  # the stop signals this process got, in order
+        self.child = None
+        self.received = []  # stop signals, in order
         self.passed = 0  # how many of them the child got
 
     def __enter__(self) -> "Supervisor":
@@ -306,11 +289,10 @@ class Supervisor:
 
     @property
     def stop_signal(self) -> str:
-        """The first stop signal received, by name; "" if none."""
         return self.received[0].name if self.received else ""
 
     def run(self, command: list[str], env: dict | None = None) -> str:
-        """How it ended: "ok" (exit 0), "stopped" (STOPPED_EXIT_CODE, or not 0 after a signal passed on), "exit N"."""
+        """How it ended: "ok", "stopped" (STOPPED_EXIT_CODE, or failed after a signal passed on) or "exit N"."""
         self.passed = 0
         set_up = terminated_with_parent(os.getpid())
         self.child = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=set_up)

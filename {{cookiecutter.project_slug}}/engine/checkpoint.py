@@ -1,8 +1,6 @@
 """Checkpoints: atomic writes, reads that run no code (weights_only) and refuse what is not ours, auto-resume.
-
-<output_dir>/checkpoints/ holds step-00001234.pt{{ " (or .dcp/ folders, engine/sharded.py)" if cookiecutter.fsdp }}, the newest
-checkpoint.keep_last kept; last.pt and best.pt link to them, so best.pt outlives its step file.
-"""
+In <output_dir>/checkpoints/ the newest checkpoint.keep_last step-00001234.pt{{ " (or .dcp/, engine/sharded.py)" if cookiecutter.fsdp }}; last.pt
+and best.pt link to them, so best.pt outlives its step file."""
 
 import dataclasses
 import importlib.util
@@ -28,20 +26,19 @@ from engine.logs import log
 {% if cookiecutter.fsdp %}from engine.parts import modules
 {% endif %}from engine.seeding import capture_rng_state, restore_rng_state
 
-# step-00001234.pt, step-00001234.dcp, and a folder saved again at its step, step-00001234.1.dcp
-STEP_FILE = re.compile(r"^step-(\d+)(?:\.(\d+))?\.(pt|dcp)$")
+STEP_FILE = re.compile(r"^step-(\d+)(?:\.(\d+))?\.(pt|dcp)$")  # step-00001234.pt, .dcp, a folder saved again: .1.dcp
 PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")  # added by DDP and torch.compile wrappers
 
-# Raised when a checkpoint's contents change, so an older engine refuses it. 2: optim, "states", "weight_sets".
-CHECKPOINT_FORMAT = 2
+CHECKPOINT_FORMAT = 2  # raised when the contents change, so older engines refuse them (2: optim, "weight_sets")
 SHAPE = ("batch_size", "accum_steps")  # train's keys that, with the world size, decide the data's order
-# What every checkpoint holds, and of which type (and "model").
-RUN_STATE_TYPES = dict(
+RUN_STATE_TYPES = dict(  # what every checkpoint holds (and "model")
     step=int, epoch=int, batches_done=int, config=dict, world_size=int, rng=list, scheduler=dict, scaler=dict
 )
 LEGACY_HEAD = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[:-1]  # torch.save's files before zip
 TORN = "written by torch.save, then cut short or damaged"
 NOT_TORCH = "not a file torch.save writes"
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # load into each other, converted
+CONTINUE_HOW = "remove it to continue from the newest step checkpoint, or set checkpoint.resume=PATH"
 
 
 class UnusableCheckpoint(CheckpointError):
@@ -209,7 +206,7 @@ def not_ours(path: Path, detail: str) -> UnusableCheckpoint:
 
 
 def load_model_state(path: str | Path) -> tuple[dict, dict]:
-    """A checkpoint's whole model weights, without wrapper prefixes, and the config that built them."""
+    """A checkpoint's whole model weights and the config that built them."""
 {%- if cookiecutter.fsdp %}
     if Path(path).is_dir():
         config = load_checkpoint(path, tensors=False)["config"]
@@ -319,10 +316,8 @@ def strip_prefixes(state_dict: dict) -> dict:
 
 
 def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) -> None:
-    """Copy weights into `model`, naming the first mismatch."""
     weights = strip_prefixes(state_dict)
     check_shapes(model, weights, source)
-    # Full tensors into a plain{{ ", DDP or FSDP (sharded)" if cookiecutter.fsdp else " or DDP" }} model alike.
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
 
 
@@ -356,10 +351,6 @@ def load_part_weights(part, model: torch.nn.Module, path: Path, ckpt: dict) -> N
     with part.swapped_into_model():  # loaded as the model's own weights are
         load_weights(model, path, ckpt, part=part.name)
 {%- endif %}
-
-
-# Floating-point dtypes load into each other, converted; any other must be the model's.
-FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_shapes(model: torch.nn.Module, saved: dict, source: str) -> None:
@@ -521,8 +512,7 @@ class Checkpointer:
 
 
 def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
-    """checkpoint.resume's: auto is last.pt, else the newest usable step; a last.pt train.py did not leave is
-    refused, as continuing would overwrite the newer checkpoints."""
+    """auto: last.pt, else the newest usable step; a last.pt train.py did not leave would overwrite newer ones."""
     if cfg.checkpoint.resume == "none":
         return None
     if cfg.checkpoint.resume != "auto":
@@ -556,12 +546,8 @@ def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
     return None
 
 
-CONTINUE_HOW = "remove it to continue from the newest step checkpoint, or set checkpoint.resume=PATH"
-
-
 def config_changes(saved: dict, cfg: Config) -> list[str]:
-    """'section.key: old -> new' for the seed, data, model{% if cookiecutter.freezing %} and `fixed_on_resume` sections{% endif %} but
-    `may_change_on_resume` keys; a key the checkpoint lacks counts as its default, listed last."""
+    """'section.key: old -> new' for the settings that change what the weights mean; new keys (as defaults) last."""
 {%- if cookiecutter.freezing %}
     fixed = [name for name, section in cfg.sections.items() if getattr(section, "fixed_on_resume", False)]
 {%- endif %}

@@ -1,5 +1,4 @@
-"""Process-group setup for `python`, `torchrun` and `srun` launches (launch variables checked before any wait),
-and the collectives the loop uses."""
+"""Process-group setup for `python`, `torchrun` and `srun` launches, and the collectives the loop uses."""
 
 import contextlib
 import datetime
@@ -17,11 +16,11 @@ import torch.distributed as dist
 from engine.config import DistConfig
 from engine.errors import ConfigError, PeerFailed, UsageError
 
+SLURM_PORTS = range(12000, 29000)  # below torchrun's 29500 and Linux's ephemeral range (32768-60999)
+
 
 @dataclass(frozen=True)
 class DistEnv:
-    """Where this process stands in the job, read from the launcher's environment."""
-
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -35,8 +34,7 @@ def parse_dist_env(environ: Mapping[str, str]) -> DistEnv:
     """torchrun's variables, else an srun task's, else one process; a malformed one is a UsageError naming it."""
     if "RANK" in environ or "WORLD_SIZE" in environ:
         return torchrun_env(environ)
-    # srun alone sets SLURM_STEP_ID: `python train.py` in a batch script (with SLURM_NTASKS) stays one process.
-    if "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ:
+    if "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ:  # not set for `python train.py` in a batch job
         return srun_env(environ)
     return DistEnv()
 
@@ -114,10 +112,6 @@ def waiting_notice(env: DistEnv, timeout_minutes: float) -> str:
     )
 
 
-# Below torchrun's 29500 and Linux's ephemeral range (32768-60999), whose ports the kernel may have handed out.
-SLURM_PORTS = range(12000, 29000)
-
-
 def slurm_port(job_id: int) -> int:
     """From the job id, so two jobs sharing a node do not collide."""
     return SLURM_PORTS.start + job_id % len(SLURM_PORTS)
@@ -175,13 +169,9 @@ OLDER_NAMES = {
 
 
 def process_group_env(environ: Mapping[str, str]{{ ', trace_entries: int, trace_dir: Path | None' if cookiecutter.run_record }}) -> dict[str, str]:
-    """Variables PyTorch reads when the process groups start; those set at launch win. TORCH_GLOO_LAZY_INIT:
-    gloo connects pairs at their first collective: at 1,000 ranks tens of sockets a process, not ~2,000.
-{%- if cookiecutter.run_record %}
+    """Variables set at launch win. TORCH_GLOO_LAZY_INIT: at 1,000 ranks tens of sockets a process, not ~2,000.{% if cookiecutter.run_record %}
     TORCH_FR_*: the flight recorder. Each rank keeps its last `trace_entries` collectives and writes them to
-    `trace_dir`/rank_N when one times out (read them with `python -m torch.distributed.flight_recorder.fr_trace`).
-{%- endif %}
-    """
+    `trace_dir`/rank_N when one times out (read them with `python -m torch.distributed.flight_recorder.fr_trace`).{% endif %}"""
     wanted = {"TORCH_GLOO_LAZY_INIT": "1"}
 {%- if cookiecutter.run_record %}
     if trace_entries > 0 and trace_dir is not None:
@@ -244,15 +234,14 @@ def dump_flight_recorder() -> None:
 
 
 def lost_peer(error: BaseException | None) -> bool:
-    """A collective failed because a peer died or stopped answering."""
     gloo = r"Connection (closed|reset)|[Tt]imed out|timeout|Broken pipe"  # gloo says so in a plain RuntimeError
     network = isinstance(error, (dist.DistNetworkError, dist.DistStoreError))
     return network or (isinstance(error, RuntimeError) and re.search(gloo, str(error)) is not None)
 
 
 def cleanup_distributed() -> None:
-    """Leave the process group. Ranks leaving together first meet (a lazy gloo connection to a closed peer aborts
-    at exit); a rank leaving alone never waits{{ " and, if its collective failed, writes its flight recorder" if cookiecutter.run_record }}."""
+    """Ranks leaving together first meet (a lazy gloo connection to a closed peer aborts at exit); one alone never
+    waits{{ " and, if its collective failed, writes its flight recorder" if cookiecutter.run_record }}."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     error = sys.exc_info()[1]

@@ -37,7 +37,6 @@ def append_whole(path: Path, text: str) -> None:
 
 
 def write_text_whole(path: Path, text: str) -> None:
-    """Replace `path` with `text`: the old file or the new one, never a torn one."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path.parent, path.name, lambda f: f.write(text.encode()))

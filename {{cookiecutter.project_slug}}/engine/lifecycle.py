@@ -1,10 +1,6 @@
-"""A run's life: one run per output_dir (RunLock), and a clean stop when asked (StopRequest, Supervisor).
-
-Rank 0 holds <output_dir>/run.lock (host, pid, launch, which start of it), refreshed every HEARTBEAT_S; a lock
-whose holder is gone (an earlier start of this launch, a dead pid here, STALE_S of silence) is taken over, else
-the run refuses (a double submit, a requeue race). A stop signal or the launcher's death is only noted; the ranks
-compare notes at agreed steps and stop together after a checkpoint, within the 30 s torchrun gives before SIGKILL.
-"""
+"""A run's life: one run per output_dir (RunLock: a double submit or a requeue race refused, a dead holder's lock
+taken over), and a clean stop when asked (StopRequest: signals only noted, the ranks stop together at agreed
+steps after a checkpoint, within the 30 s torchrun gives before SIGKILL; Supervisor)."""
 
 import contextlib
 import ctypes
@@ -31,6 +27,13 @@ HEARTBEAT_S = 30.0
 STALE_S = 120.0  # four missed heartbeats
 WATCH_S = 1.0  # how often a possible restart looks at its predecessor's heartbeat
 LOCK_NAME = "run.lock"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+CHECK_EVERY_SECONDS = 0.5  # how often ranks compare notes: a few hundred us each time
+LAUNCHER_GONE = "the loss of its launcher"
+PARENT_CHECK_S = 1.0  # how often a rank looks for its launcher: one getppid() call
+ORPHAN_GRACE_S = 30.0  # as long as torchrun gives its workers between SIGTERM and SIGKILL
+STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped before the end (a checkpoint if it could); run the same command again
+PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its parent dies (Linux)
 
 
 def count(value) -> int:
@@ -113,8 +116,7 @@ class RunLock:
             return self.path.stat().st_mtime
 
     def is_stale(self, holder: dict, modified: float | None) -> bool:
-        # A holder with this process's pid is a dead one whose pid came back (in a container, every start).
-        pid = holder.get("pid")
+        pid = holder.get("pid")  # this process's: a dead holder's pid came back (in a container, every start)
         dead_here = holder.get("host") == self.me["host"] and (pid == self.me["pid"] or not pid_alive(pid))
         silent = modified is None or time.time() - modified > STALE_S
         return self.earlier_start(holder) or dead_here or silent
@@ -163,14 +165,6 @@ def zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
     except (OSError, IndexError):
         return False  # no /proc (not Linux): trust the signal
-
-
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-CHECK_EVERY_SECONDS = 0.5  # how often ranks compare notes: a few hundred us each time
-LAUNCHER_GONE = "the loss of its launcher"
-PARENT_CHECK_S = 1.0  # how often a rank looks for its launcher: one getppid() call
-ORPHAN_GRACE_S = 30.0  # as long as torchrun gives its workers between SIGTERM and SIGKILL
-STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped before the end (a checkpoint if it could); run the same command again
 
 
 class StopRequest:
@@ -314,9 +308,6 @@ class Supervisor:
             self.passed += 1
             with contextlib.suppress(ProcessLookupError):  # it has just exited
                 os.killpg(self.child.pid, sent)
-
-
-PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its parent dies (Linux)
 
 
 def terminated_with_parent(parent: int) -> Callable[[], None]:

@@ -1,9 +1,5 @@
-"""Validation metrics that are bitwise the same on any number of processes.
-
-Fixed batches are dealt whole to ranks (loader.py's EvalBatches) and results combined in batch order, never
-rank order: `Mean` and `Sum` in one all-reduce of a table with a row per batch; `Gathered` (AUROC, mAP, a
-median) on rank 0. A metric shows as `val_<name>`, or `val_<key>` for each key of a dict result.
-"""
+"""Validation metrics that are bitwise the same on any number of processes: fixed batches are dealt whole to
+ranks (loader.py's EvalBatches) and results combined in batch order, never rank order."""
 
 from collections.abc import Callable
 
@@ -34,8 +30,7 @@ class Metric:
 
 
 class Sum(Metric):
-    """`compute(total)` of rows of `shape` (e.g. (C, C), a confusion matrix): `update(rows)` of [batch, *shape],
-    or `update(total, count=n)`."""
+    """`compute(total)` of `update(rows)` of [batch, *shape] (e.g. a confusion matrix), or `update(total, count=n)`."""
 
     kind = "Sum"
 
@@ -89,8 +84,7 @@ class Mean(Sum):
 
 
 class Gathered(Metric):
-    """`compute(*columns)` on rank 0 over every sample's rows in dataset order: `update(*columns)`, each a
-    tensor whose first dimension is the batch or a list with an item per sample (e.g. a detector's dicts)."""
+    """`compute(*columns)` on rank 0 (AUROC, mAP) of `update(*columns)`: tensors or lists with a row per sample."""
 
     kind = "Gathered"
 
@@ -148,11 +142,9 @@ def check_metrics(metrics: dict) -> dict:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, validation_step, metrics, device, precision, max_batches=None, stop=None):
-    """{"val_<name>": value, ..., "num_samples": n}, the same on every rank; None if `stop(batch_round)` said so.
-
-    Pass the unwrapped model: DDP's forward may broadcast buffers, which hangs on uneven batches.{% if cookiecutter.fsdp %}
-    An FSDP forward is a collective itself: every rank runs as many as rank 0, the extra ones counted nowhere.{% endif %}
-    """
+    """{"val_<name>" or "val_<key>" of a dict: value, ..., "num_samples": n}, the same on every rank; None if
+    `stop(batch_round)` said so. Pass the unwrapped model: DDP's forward may broadcast, and batches are uneven.{% if cookiecutter.fsdp %}
+    An FSDP forward is a collective itself: every rank runs as many as rank 0, the extra ones counted nowhere.{% endif %}"""
     metrics = check_metrics(metrics)
     plan = loader.batch_sampler
     num_batches = plan.num_batches if max_batches is None else min(plan.num_batches, max_batches * plan.world_size)
@@ -199,16 +191,12 @@ def sum_in_batch_order(sums: dict[str, Sum], plan, num_batches: int, device: tor
     table = torch.zeros(num_batches, sum(m.shape.numel() for m in sums.values()), dtype=torch.float64, device=device)
     for row, batch_id in enumerate(plan.mine(num_batches)):
         table[batch_id] = torch.cat([m.batch_totals[row].to(device) for m in sums.values()])
-    # Each entry is one rank's value plus zeros from the others: exact in any order.
-    table = distributed.all_reduce_sum(table).cpu()
+    table = distributed.all_reduce_sum(table).cpu()  # one rank's value plus zeros: exact in any order
     totals = torch.zeros(table.shape[1], dtype=torch.float64)
     for row in table:  # one add per batch, elementwise: the order is fixed whatever the threads
         totals += row
-    results, offset = {}, 0
-    for name, metric in sums.items():
-        results[name] = metric.compute(totals[offset : offset + metric.shape.numel()].reshape(metric.shape))
-        offset += metric.shape.numel()
-    return results
+    pieces = totals.split([metric.shape.numel() for metric in sums.values()])
+    return {name: m.compute(piece.reshape(m.shape)) for (name, m), piece in zip(sums.items(), pieces, strict=True)}
 
 
 def compute_gathered(metrics: dict[str, Gathered], num_batches: int) -> dict:

@@ -71,7 +71,6 @@ def torch_lacks(name: str) -> bool:
 
 
 def refused_global(error: BaseException) -> str | None:
-    """The function or class the weights-only unpickler refused, e.g. 'io.open'."""
     found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
     return found.group(1) if found else None
 

@@ -65,7 +65,6 @@ def already_exists(path: Path) -> UsageError:
 
 
 def write_new_file(path: Path, write) -> None:
-    """`create_whole`, refusing in one line (`already_exists`) if anything is at `path`."""
     try:
         create_whole(path, write)
     except FileExistsError:

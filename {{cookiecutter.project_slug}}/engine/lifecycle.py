@@ -181,7 +181,6 @@ class StopRequest:
         self.by_signal = False  # whether the ranks agreed on a stop by a signal (or the launcher's loss)
 
     def install(self, launcher: str) -> "StopRequest":
-        """Handle the stop signals; under a launcher, watch it too."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self.handle)
         if launcher != "none":

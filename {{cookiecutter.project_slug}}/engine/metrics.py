@@ -127,7 +127,6 @@ def join(parts: list):
 
 
 def check_metrics(metrics: dict) -> dict:
-    """build_metrics' result, each metric told its name."""
     if not isinstance(metrics, dict):
         raise TaskError(f"build_metrics must return a dict of name: metric, not {type(metrics).__name__}")
     for name, metric in metrics.items():

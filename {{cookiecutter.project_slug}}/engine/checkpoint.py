@@ -1,5 +1,5 @@
 """Checkpoints: atomic writes, reads that run no code (weights_only) and refuse what is not ours, auto-resume.
-In <output_dir>/checkpoints/ the newest checkpoint.keep_last step-00001234.pt{{ " (or .dcp/, engine/sharded.py)" if cookiecutter.fsdp }}; last.pt
+<output_dir>/checkpoints/ keeps the newest checkpoint.keep_last step-00001234.pt{{ " (or .dcp/, engine/sharded.py)" if cookiecutter.fsdp }}; last.pt
 and best.pt link to them, so best.pt outlives its step file."""
 
 import dataclasses
@@ -28,8 +28,7 @@ from engine.logs import log
 
 STEP_FILE = re.compile(r"^step-(\d+)(?:\.(\d+))?\.(pt|dcp)$")  # step-00001234.pt, .dcp, a folder saved again: .1.dcp
 PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")  # added by DDP and torch.compile wrappers
-
-CHECKPOINT_FORMAT = 2  # raised when the contents change, so older engines refuse them (2: optim, "weight_sets")
+CHECKPOINT_FORMAT = 2  # raised on a change of contents, so older engines refuse it (2: optim, "states", "weight_sets")
 SHAPE = ("batch_size", "accum_steps")  # train's keys that, with the world size, decide the data's order
 RUN_STATE_TYPES = dict(  # what every checkpoint holds (and "model")
     step=int, epoch=int, batches_done=int, config=dict, world_size=int, rng=list, scheduler=dict, scaler=dict
@@ -85,7 +84,7 @@ def checkpoint_dir(output_dir: str | Path) -> Path:
 
 
 def save_checkpoint(state: dict, directory: Path, step: int, keep_last: int, is_best: bool) -> Path:
-    """Rank 0 only."""
+    """Write step-<step>.pt, then point last.pt (and best.pt) at it. Rank 0 only."""
     path = directory / f"step-{step:08d}.pt"
     return publish(path, lambda: atomic_write(directory, path.name, lambda f: torch.save(state, f)), keep_last, is_best)
 

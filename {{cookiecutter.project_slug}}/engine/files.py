@@ -12,7 +12,7 @@ CONTINUE_ELSEWHERE = "another output_dir, then run the same command to continue"
 
 
 def not_written(path: Path, error: OSError, instead: str = CONTINUE_ELSEWHERE) -> UsageError:
-    """A full disk, a read-only folder."""
+    """The one line for a file that could not be written (a full disk, a read-only folder)."""
     return UsageError(f"cannot write {str(path)!r}: {error.strerror or error}; free disk space or choose {instead}")
 
 

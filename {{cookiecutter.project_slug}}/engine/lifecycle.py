@@ -251,7 +251,7 @@ class NoteComparison:
 
 
 def leave_stop_signals_to_the_rank(worker_id: int) -> None:
-    """In a DataLoader worker: ignore the group's stop signals (its death would kill the rank's checkpoint)."""
+    """In a DataLoader worker: ignore stop signals but the rank's own SIGTERM (dying would cut its checkpoint)."""
     for sig in set(STOP_SIGNALS) - {signal.SIGTERM}:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started next inherit it

@@ -1,11 +1,6 @@
-"""Checkpoints: atomic writes, reads that run no code and refuse what is not ours, auto-resume.
-
-In <output_dir>/checkpoints/: step-00001234.pt per save, the newest checkpoint.keep_last kept;
-last.pt (the newest: what resume=auto takes) and best.pt (the best checkpoint.best_metric) are
-hard links to them, so best.pt outlives its step file.{% if cookiecutter.fsdp %} A sharding part saves folders instead
-(step-00001234.dcp/, engine/sharded.py), which last.pt and best.pt link to.{% endif %} A checkpoint
-holds plain data only, read with torch.load(weights_only=True), which runs no pickled code.
-"""
+"""Checkpoints: atomic writes, reads that run no code (weights_only) and refuse what is not ours, auto-resume.
+<output_dir>/checkpoints/ keeps the newest checkpoint.keep_last step-00001234.pt{{ " (or .dcp/, engine/sharded.py)" if cookiecutter.fsdp }}; last.pt
+and best.pt link to them, so best.pt outlives its step file."""
 
 import dataclasses
 import importlib.util
@@ -31,25 +26,22 @@ from engine.logs import log
 {% if cookiecutter.fsdp %}from engine.parts import modules
 {% endif %}from engine.seeding import capture_rng_state, restore_rng_state
 
-# step-00001234.pt, step-00001234.dcp, and a folder saved again at its step, step-00001234.1.dcp
-STEP_FILE = re.compile(r"^step-(\d+)(?:\.(\d+))?\.(pt|dcp)$")
+STEP_FILE = re.compile(r"^step-(\d+)(?:\.(\d+))?\.(pt|dcp)$")  # step-00001234.pt, .dcp, a folder saved again: .1.dcp
 PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")  # added by DDP and torch.compile wrappers
-
-# Raised when what a checkpoint holds or means changes, so an older engine refuses it instead
-# of misreading it (none: 1). 2: the optim section, "states", "weight_sets".
-CHECKPOINT_FORMAT = 2
+CHECKPOINT_FORMAT = 2  # raised on a change of contents, so older engines refuse it (2: optim, "states", "weight_sets")
 SHAPE = ("batch_size", "accum_steps")  # train's keys that, with the world size, decide the data's order
-# What every checkpoint holds, and of which type (and "model"; a folder's metadata lists its tensors).
-RUN_STATE_TYPES = dict(
+RUN_STATE_TYPES = dict(  # what every checkpoint holds (and "model")
     step=int, epoch=int, batches_done=int, config=dict, world_size=int, rng=list, scheduler=dict, scaler=dict
 )
 LEGACY_HEAD = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[:-1]  # torch.save's files before zip
 TORN = "written by torch.save, then cut short or damaged"
 NOT_TORCH = "not a file torch.save writes"
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)  # load into each other, converted
+CONTINUE_HOW = "remove it to continue from the newest step checkpoint, or set checkpoint.resume=PATH"
 
 
 class UnusableCheckpoint(CheckpointError):
-    """A checkpoint that cannot be used: `problem` (what auto-resume warns), then what to do."""
+    """`problem` (what auto-resume warns), then what to do."""
 
     def __init__(self, problem: str, remedy: str = "use another checkpoint"):
         super().__init__(f"{problem}; {remedy}")
@@ -78,7 +70,6 @@ def torch_lacks(name: str) -> bool:
 
 
 def refused_global(error: BaseException) -> str | None:
-    """The function or class the weights-only unpickler refused, e.g. 'io.open'."""
     found = re.search(r"Unsupported global: GLOBAL ([\w.]+)", str(error))
     return found.group(1) if found else None
 
@@ -93,7 +84,7 @@ def checkpoint_dir(output_dir: str | Path) -> Path:
 
 
 def save_checkpoint(state: dict, directory: Path, step: int, keep_last: int, is_best: bool) -> Path:
-    """Write `state` as step-<step>.pt, then point last.pt (and best.pt) at it. Rank 0 only."""
+    """Write step-<step>.pt, then point last.pt (and best.pt) at it. Rank 0 only."""
     path = directory / f"step-{step:08d}.pt"
     return publish(path, lambda: atomic_write(directory, path.name, lambda f: torch.save(state, f)), keep_last, is_best)
 
@@ -123,7 +114,6 @@ def publish(path: Path, write, keep_last: int, is_best: bool) -> Path:
 
 
 def step_checkpoints(directory: Path) -> list[Path]:
-    """step-*.pt files and step-*.dcp folders, oldest first."""
     found = [p for p in directory.iterdir() if STEP_FILE.match(p.name)] if directory.is_dir() else []
     return sorted(found, key=step_and_revision)
 
@@ -134,7 +124,7 @@ def step_and_revision(path: Path) -> tuple[int, int]:
 
 
 def prune(directory: Path, keep_last: int) -> None:
-    """Remove all but the newest `keep_last` step checkpoints (sparing linked folders) and '.*.tmp' leftovers."""
+    """Keep the newest `keep_last` step checkpoints (and linked folders); remove '.*.tmp' leftovers."""
     linked = {os.readlink(link) for link in (directory / "last.pt", directory / "best.pt") if link.is_symlink()}
     for old in step_checkpoints(directory)[:-keep_last]:
         if old.name not in linked:
@@ -171,7 +161,7 @@ def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
 
 
 def check_contents(path: Path, state: dict, tensors_inside: bool) -> None:
-    """The one check of what a checkpoint holds, before anything uses it: its format, keys and types."""
+    """Its format, keys and types, before anything uses it."""
     version = state.get("format_version", 1)
     if type(version) is not int or version < 1:
         raise not_ours(path, f"'format_version' is {version!r}")
@@ -197,7 +187,7 @@ def check_contents(path: Path, state: dict, tensors_inside: bool) -> None:
 
 
 def weight_sets(state: dict) -> list[str]:
-    """The sets of model weights a checkpoint holds: "model" and its parts' (e.g. "ema")."""
+    """The weight sets: "model" and its parts' (e.g. "ema")."""
     return ["model", *state.get("weight_sets", ["ema"] if "ema" in state else [])]
 {%- endif %}
 
@@ -214,7 +204,7 @@ def not_ours(path: Path, detail: str) -> UnusableCheckpoint:
 
 
 def load_model_state(path: str | Path) -> tuple[dict, dict]:
-    """A checkpoint's model weights, whole, without wrapper prefixes, and the config that built them."""
+    """A checkpoint's whole model weights and the config that built them."""
 {%- if cookiecutter.fsdp %}
     if Path(path).is_dir():
         config = load_checkpoint(path, tensors=False)["config"]
@@ -226,13 +216,13 @@ def load_model_state(path: str | Path) -> tuple[dict, dict]:
 
 
 def folders():
-    """engine/sharded.py: the fsdp part's FOLDERS, which reads and writes checkpoint folders."""
+    """engine/sharded.py's FOLDERS."""
     return next(module.FOLDERS for module in modules() if hasattr(module, "FOLDERS"))
 {%- endif %}
 
 
 def load_plain(path: Path) -> dict:
-    """A torch.save file of a dict of plain data, onto the CPU (not every rank's onto GPU 0)."""
+    """A torch.save file of a dict of plain data, onto the CPU."""
     if not path.is_file():
         raise CheckpointError(f"checkpoint {str(path)!r} not found")
     try:
@@ -247,7 +237,7 @@ def load_plain(path: Path) -> dict:
 
 
 def unreadable(path: Path, error: Exception) -> CheckpointError:
-    """Why torch.load failed, in our words, not torch's ("list index out of range", "weights_only=False")."""
+    """Why torch.load failed, in our words, not torch's."""
     try:
         kind = file_kind(path)
         name = refused_global(error) or (first_global(path) if kind == NOT_TORCH else None)
@@ -278,11 +268,11 @@ def file_kind(path: Path) -> str:
 
 
 class RefusedGlobal(pickle.UnpicklingError):
-    """A pickle that names a function or class outside the allowed ones."""
+    """A pickle naming a global outside the allowed ones."""
 
 
 class PlainUnpickler(pickle.Unpickler):
-    """Builds plain data and the globals in ALLOWED only: any other is refused unlooked-up."""
+    """Builds plain data and the globals in ALLOWED only."""
 
     ALLOWED: set[str] = set()
 
@@ -305,7 +295,7 @@ def first_global(path: Path) -> str | None:
 
 
 def load_exported_weights(path: Path) -> dict:
-    """The weights export.py writes: model.safetensors (tensors only, by format), or model.pt."""
+    """export.py's model.safetensors or model.pt."""
     if path.suffix == ".safetensors":
         try:
             return safetensors.torch.load_file(path)
@@ -320,24 +310,18 @@ def load_exported_weights(path: Path) -> dict:
 
 
 def strip_prefixes(state_dict: dict) -> dict:
-    """Model weights without wrapper prefixes, so any wrapping loads any other."""
     return {PREFIXES.sub("", key): value for key, value in state_dict.items()}
 
 
 def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) -> None:
-    """Copy weights into `model`, naming the first mismatch if the architectures differ."""
     weights = strip_prefixes(state_dict)
     check_shapes(model, weights, source)
-    # Full tensors into a plain{{ ", DDP or FSDP (sharded)" if cookiecutter.fsdp else " or DDP" }} model alike.
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
 
 
 def load_weights(model: torch.nn.Module, path: Path, ckpt: dict{{ ", optimizer=None" if cookiecutter.fsdp }}{{ ', part: str = "model"' if cookiecutter.ema or cookiecutter.fsdp }}) -> None:
-    """A checkpoint's model weights into the model (`ckpt`: what load_checkpoint(path,
-    tensors=False) returned; a file's optimizer state is loaded by TrainState.load_state_dict).{% if cookiecutter.ema %}
-    part="ema": a part's set of weights instead.{% endif %}{% if cookiecutter.fsdp %}
-    A folder's tensors (and optimizer state, given `optimizer`) each rank reads shard by
-    shard: every rank must call this.{% endif %}"""
+    """A checkpoint's model weights (`ckpt`: load_checkpoint(path, tensors=False)){{ '; part="ema": that set' if cookiecutter.ema }}.{% if cookiecutter.fsdp %}
+    A folder's tensors (and `optimizer` state) each rank reads shard by shard: every rank must call this.{% endif %}"""
 {%- if cookiecutter.ema %}
     if not has_part(path, ckpt, part):
         raise CheckpointError(f"{path} has no {part!r} weights (that part was off when it was saved)")
@@ -367,14 +351,9 @@ def load_part_weights(part, model: torch.nn.Module, path: Path, ckpt: dict) -> N
 {%- endif %}
 
 
-# Floating-point dtypes load into each other, converted; any other must be the model's.
-FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-
-
 def check_shapes(model: torch.nn.Module, saved: dict, source: str) -> None:
-    """The one check of weights before they load: name the first weight missing, extra,
-    shaped differently, or of a dtype the model's does not take.{% if cookiecutter.fsdp %} `saved`: the weights, or a
-    folder's as meta tensors from its metadata (FSDP's sharded parameters report full shapes).{% endif %}"""
+    """Name the first weight missing, extra, or of another shape or kind of dtype.{% if cookiecutter.fsdp %} `saved`: the
+    weights, or a folder's as meta tensors from its metadata (FSDP's sharded parameters report full shapes).{% endif %}"""
     expected = model.state_dict()
     for key, value in expected.items():
         if key not in saved:
@@ -396,7 +375,7 @@ def check_shapes(model: torch.nn.Module, saved: dict, source: str) -> None:
 
 
 class Checkpointer:
-    """The run's checkpoints: when, which is best, where to resume. Every rank calls its methods."""
+    """When to save, which is best, where to resume. Every rank calls its methods."""
 
     def __init__(self, cfg: Config, env: DistEnv, device: torch.device{{ ', provenance: dict | None = None' if cookiecutter.run_record }}):
         self.cfg, self.env, self.device = cfg, env, device
@@ -406,13 +385,12 @@ class Checkpointer:
         self.directory = checkpoint_dir(cfg.output_dir)
 
     def save_if_due(self, state) -> None:
-        """After every optimizer step: a step checkpoint every checkpoint.every_steps steps."""
         every = self.cfg.checkpoint.every_steps
         if every and state.step % every == 0:
             self.save(state)
 
     def save(self, state, val_metrics: dict | None = None) -> None:
-        """Write a checkpoint now; with an epoch's `val_metrics`, best.pt too if they are the best."""
+        """With an epoch's `val_metrics`, best.pt too if they are the best."""
         state.guard.check(state.scaler)  # never save non-finite weights: stop instead
         is_best = val_metrics is not None and self.is_new_best(state, val_metrics)
         run = {
@@ -440,7 +418,7 @@ class Checkpointer:
             ) from None
 
     def last_good(self) -> str:
-        """Which checkpoint a run that stops now leaves (all are written after the non-finite check)."""
+        """Which checkpoint a run that stops now leaves."""
         steps = step_checkpoints(self.directory)
         if not steps:
             return "no checkpoint was saved before it"
@@ -448,7 +426,6 @@ class Checkpointer:
         return f"the last good checkpoint is {self.directory / 'last.pt'} (step {step}), kept"
 
     def check_best_metric(self, val_metrics: dict) -> None:
-        """checkpoint.best_metric must be one of the metrics validation reports."""
         name = self.cfg.checkpoint.best_metric
         if name not in val_metrics:
             known = ", ".join(key for key in val_metrics if "val_" in key)
@@ -458,7 +435,7 @@ class Checkpointer:
             )
 
     def is_new_best(self, state, val_metrics: dict) -> bool:
-        """Whether `val_metrics` beat the best so far (then recorded in `state`)."""
+        """Whether `val_metrics` beat the best so far (then recorded)."""
         self.check_best_metric(val_metrics)
         value, best = val_metrics[self.cfg.checkpoint.best_metric], state.best_metric_value
         if best is not None and not (value > best if self.cfg.checkpoint.best_mode == "max" else value < best):
@@ -510,8 +487,7 @@ class Checkpointer:
         return self.continue_data_position(state, ckpt, run_lr)
 
     def continue_data_position(self, state, ckpt: dict, run_lr: float) -> bool:
-        """Restore this rank's RNG state if the layout is the same (True); else continue at the
-        same sample of the epoch's permutation. `run_lr`: this run's, which the checkpoint's replaced."""
+        """Restore this rank's RNG state if the layout is the same (True), else continue at the same sample."""
         saved_lr, train, world_size = state.scheduler.base_lrs[0], self.cfg.train, self.env.world_size
         if is_main() and (not math.isclose(saved_lr, run_lr) or ckpt["config"].get("optim") != plain(self.cfg.optim)):
             log(f"note: the optimizer continues with the checkpoint's lr ({saved_lr:.4g}) and settings")
@@ -534,9 +510,7 @@ class Checkpointer:
 
 
 def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
-    """The checkpoint to continue from (checkpoint.resume: auto, none or a path). auto: last.pt,
-    else (said) the newest usable step; a last.pt train.py did not leave (a link elsewhere, older
-    than a step beside it) is refused, as continuing would overwrite the newer checkpoints."""
+    """auto: last.pt, else the newest usable step; a last.pt train.py did not leave would overwrite newer ones."""
     if cfg.checkpoint.resume == "none":
         return None
     if cfg.checkpoint.resume != "auto":
@@ -570,13 +544,8 @@ def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
     return None
 
 
-CONTINUE_HOW = "remove it to continue from the newest step checkpoint, or set checkpoint.resume=PATH"
-
-
 def config_changes(saved: dict, cfg: Config) -> list[str]:
-    """'section.key: old -> new' for each setting that changes what the weights mean: the seed,
-    data, model{% if cookiecutter.freezing %} and `fixed_on_resume` sections (e.g. freeze){% endif %}, but their `may_change_on_resume`
-    keys. A key the checkpoint lacks counts as its default (the old behaviour), after the others."""
+    """'section.key: old -> new' for the settings that change what the weights mean; new keys (as defaults) last."""
 {%- if cookiecutter.freezing %}
     fixed = [name for name, section in cfg.sections.items() if getattr(section, "fixed_on_resume", False)]
 {%- endif %}
@@ -587,7 +556,7 @@ def config_changes(saved: dict, cfg: Config) -> list[str]:
 
 
 def section_changes(prefix: str, saved: dict, section, only=None, new_key=False) -> list[tuple[bool, str]]:
-    """(new key?, 'name: old -> new') for a config section's (a dataclass's) changes from `saved`."""
+    """(new key?, 'name: old -> new') for a config section's changes from `saved`."""
     changes = []
     for f in dataclasses.fields(section):
         if f.name in getattr(section, "may_change_on_resume", ()) or (only is not None and f.name not in only):

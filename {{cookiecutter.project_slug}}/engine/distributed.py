@@ -1,8 +1,4 @@
-"""Process-group setup for `python`, `torchrun` and `srun` launches, and the collectives the loop uses.
-
-The launch variables are checked before any process waits for another: a malformed one stops it with one line
-naming the variable. The state lives in torch.distributed itself.
-"""
+"""Process-group setup for `python`, `torchrun` and `srun` launches, and the collectives the loop uses."""
 
 import contextlib
 import datetime
@@ -20,11 +16,11 @@ import torch.distributed as dist
 from engine.config import DistConfig
 from engine.errors import ConfigError, PeerFailed, UsageError
 
+SLURM_PORTS = range(12000, 29000)  # below torchrun's 29500 and Linux's ephemeral range (32768-60999)
+
 
 @dataclass(frozen=True)
 class DistEnv:
-    """Where this process stands in the job, read from the launcher's environment."""
-
     rank: int = 0
     world_size: int = 1
     local_rank: int = 0
@@ -38,8 +34,7 @@ def parse_dist_env(environ: Mapping[str, str]) -> DistEnv:
     """torchrun's variables, else an srun task's, else one process; a malformed one is a UsageError naming it."""
     if "RANK" in environ or "WORLD_SIZE" in environ:
         return torchrun_env(environ)
-    # srun alone sets SLURM_STEP_ID: `python train.py` in a batch script (with SLURM_NTASKS) stays one process.
-    if "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ:
+    if "SLURM_PROCID" in environ and "SLURM_STEP_ID" in environ:  # not set for `python train.py` in a batch job
         return srun_env(environ)
     return DistEnv()
 
@@ -85,7 +80,6 @@ def srun_env(environ: Mapping[str, str]) -> DistEnv:
 
 
 def whole_number(environ: Mapping[str, str], name: str, fix: str) -> int | None:
-    """The variable as a whole number (0, 1, ...); None when unset."""
     value = environ.get(name)
     if value is not None and not (value.strip().isascii() and value.strip().isdigit()):
         raise UsageError(f"{name} is {value!r}, not a whole number: {fix}")
@@ -108,8 +102,7 @@ def port_number(environ: Mapping[str, str], fix: str) -> int:
 
 
 def waiting_notice(env: DistEnv, timeout_minutes: float) -> str:
-    """What a rank started by hand says before it waits ("" if it need not): RANK etc. left in a shell would
-    otherwise keep `python train.py` waiting in silence. torchrun and srun start every rank at once."""
+    """What a rank started by hand says before it waits: RANK etc. left in a shell would wait in silence."""
     if not env.by_hand or env.world_size == 1:
         return ""
     return (
@@ -119,12 +112,8 @@ def waiting_notice(env: DistEnv, timeout_minutes: float) -> str:
     )
 
 
-# Below torchrun's 29500 and Linux's ephemeral range (32768-60999), whose ports the kernel may have handed out.
-SLURM_PORTS = range(12000, 29000)
-
-
 def slurm_port(job_id: int) -> int:
-    """A port derived from the job id, so two jobs sharing a node do not collide."""
+    """From the job id, so two jobs sharing a node do not collide."""
     return SLURM_PORTS.start + job_id % len(SLURM_PORTS)
 
 
@@ -180,16 +169,9 @@ OLDER_NAMES = {
 
 
 def process_group_env(environ: Mapping[str, str]{{ ', trace_entries: int, trace_dir: Path | None' if cookiecutter.run_record }}) -> dict[str, str]:
-    """Variables PyTorch reads when the process groups start; those set at launch win.
-
-    TORCH_GLOO_LAZY_INIT: gloo connects a pair of ranks at its first collective, not every pair at start. The
-    stop votes stay on gloo even with GPUs (over NCCL each would wait for the GPU's queue) and reach a few peers,
-    so at 1,000 ranks a process holds tens of sockets instead of ~2,000.
-{%- if cookiecutter.run_record %}
+    """Variables set at launch win. TORCH_GLOO_LAZY_INIT: at 1,000 ranks tens of sockets a process, not ~2,000.{% if cookiecutter.run_record %}
     TORCH_FR_*: the flight recorder. Each rank keeps its last `trace_entries` collectives and writes them to
-    `trace_dir`/rank_N when one times out (read them with `python -m torch.distributed.flight_recorder.fr_trace`).
-{%- endif %}
-    """
+    `trace_dir`/rank_N when one times out (read them with `python -m torch.distributed.flight_recorder.fr_trace`).{% endif %}"""
     wanted = {"TORCH_GLOO_LAZY_INIT": "1"}
 {%- if cookiecutter.run_record %}
     if trace_entries > 0 and trace_dir is not None:
@@ -200,15 +182,13 @@ def process_group_env(environ: Mapping[str, str]{{ ', trace_entries: int, trace_
 
 
 def multi_node(environ: Mapping[str, str]) -> bool:
-    """Whether torchrun's local world is smaller than the world, or SLURM's step spans several nodes."""
     if "LOCAL_WORLD_SIZE" in environ and "WORLD_SIZE" in environ:
         return int(environ["LOCAL_WORLD_SIZE"]) < int(environ["WORLD_SIZE"])
     return int(environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES", 1))) > 1
 
 
 def check_gloo_address(hostname: str, spans_hosts: bool, environ: Mapping[str, str]) -> None:
-    """gloo listens where the host name resolves, often 127.0.1.1 in containers: unreachable from other nodes,
-    which would fail later ("connectFullMesh failed") or hang. Say so before the first collective."""
+    """gloo listens where the host name resolves, often 127.0.1.1 in containers: say so before it hangs."""
     if not spans_hosts or "GLOO_SOCKET_IFNAME" in environ:
         return
     address = ""  # unresolvable: gloo falls back to the loopback address
@@ -223,8 +203,7 @@ def check_gloo_address(hostname: str, spans_hosts: bool, environ: Mapping[str, s
 
 
 def shorten_timeout_after_first_step(optimizer: torch.optim.Optimizer, minutes: float, groups=()) -> None:
-    """After the first optimizer step, a collective (on the default group and `groups`) that waits longer than
-    `minutes` fails the run: setup may take long (loading, compiling), a step, evaluation or save should not."""
+    """After the first step, a collective waiting over `minutes` fails: setup may take long, a step should not."""
     if get_world_size() == 1:
         return
     pending = [None, *groups]
@@ -238,7 +217,6 @@ def shorten_timeout_after_first_step(optimizer: torch.optim.Optimizer, minutes: 
 
 
 def flight_recorder_file() -> Path | None:
-    """Where this rank's flight recorder goes, or None when it is off."""
     prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE", os.environ.get(OLDER_NAMES["TORCH_FR_DUMP_TEMP_FILE"]))
     return Path(f"{prefix}{get_rank()}") if prefix else None
 
@@ -256,16 +234,14 @@ def dump_flight_recorder() -> None:
 
 
 def lost_peer(error: BaseException | None) -> bool:
-    """A collective failed because a peer died or stopped answering."""
     gloo = r"Connection (closed|reset)|[Tt]imed out|timeout|Broken pipe"  # gloo says so in a plain RuntimeError
     network = isinstance(error, (dist.DistNetworkError, dist.DistStoreError))
     return network or (isinstance(error, RuntimeError) and re.search(gloo, str(error)) is not None)
 
 
 def cleanup_distributed() -> None:
-    """Leave the process group, from a `finally`. Ranks leaving together (done, or an agreed error) first meet:
-    a lazy gloo connection still opening to a closed peer aborts the process at exit (SIGABRT). A rank leaving
-    alone never waits, so a failure cannot hang{{ "; one whose collective failed writes its flight recorder" if cookiecutter.run_record }}."""
+    """Ranks leaving together first meet (a lazy gloo connection to a closed peer aborts at exit); one alone never
+    waits{{ " and, if its collective failed, writes its flight recorder" if cookiecutter.run_record }}."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     error = sys.exc_info()[1]
@@ -292,7 +268,6 @@ def get_world_size() -> int:
 
 
 def is_main() -> bool:
-    """True on global rank 0: the one process that logs and writes checkpoints."""
     return get_rank() == 0
 
 
@@ -308,9 +283,7 @@ def all_reduce_max_(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def vote(values: list[float], op: str, group=None, device: torch.device | None = None) -> list[float]:
-    """The one all-rank vote: each of `values` reduced ("min" or "max") over every rank of `group` (None: the
-    default group, on `device`; the stop votes: a CPU gloo group). Every rank of the group must call this; after
-    the first step shorten_timeout_after_first_step bounds it by dist.step_timeout_minutes."""
+    """Each of `values` reduced ("min" or "max") over `group` (None: the default, on `device`); all must call."""
     if get_world_size() == 1:
         return values
     tally = torch.tensor(values, dtype=torch.float64, device=device)
@@ -320,9 +293,7 @@ def vote(values: list[float], op: str, group=None, device: torch.device | None =
 
 @contextlib.contextmanager
 def stop_all_if_any_fails(device: torch.device):
-    """Run the body on every rank, then agree: if it failed on any, every rank stops and only the lowest failing
-    rank says why. Wrap work that can fail on some ranks only (rank 0 writing a file), so no rank is left waiting
-    in its next collective. Every rank must enter it."""
+    """Around work that may fail on some ranks only: if it fails on any, all stop, the lowest failing rank says why."""
     error = None
     try:
         yield
@@ -342,14 +313,13 @@ def stop_all_if_any_fails(device: torch.device):
 
 
 def agreed(error: BaseException) -> BaseException:
-    """Mark an error that every rank raises together: they can still leave together."""
+    """Mark an error every rank raises together, so they can leave together."""
     error.agreed = True
     return error
 
 
 def prepare_on_node_leaders(prepare, cfg, env: DistEnv, device: torch.device) -> None:
-    """`prepare(cfg)` (fetching data) on global rank 0, then on local rank 0 of the other nodes (node-local
-    storage), the rest waiting: never two writers at once on shared storage. Every rank must call this."""
+    """`prepare(cfg)` on rank 0, then on the other nodes' local rank 0: never two writers on shared storage."""
     for leaders_now in (env.rank == 0, env.local_rank == 0 and env.rank != 0):
         with stop_all_if_any_fails(device):
             if leaders_now:

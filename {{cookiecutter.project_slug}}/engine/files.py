@@ -1,8 +1,4 @@
-"""Writing files without ever leaving a torn one, and naming the file when the disk refuses.
-
-A file is replaced whole (`atomic_write`); an output a user names is created, never replaced
-(`create_whole`); a row is appended whole, and a torn one moved aside (`rewind_json_lines`).
-"""
+"""Writing files without ever leaving a torn one, and naming the file when the disk refuses."""
 
 import json
 import os
@@ -41,7 +37,6 @@ def append_whole(path: Path, text: str) -> None:
 
 
 def write_text_whole(path: Path, text: str) -> None:
-    """Replace `path` with `text`: the old file or the new one, never a torn one."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path.parent, path.name, lambda f: f.write(text.encode()))
@@ -70,7 +65,6 @@ def already_exists(path: Path) -> UsageError:
 
 
 def write_new_file(path: Path, write) -> None:
-    """`create_whole`, refusing in one line (`already_exists`) if anything is at `path`."""
     try:
         create_whole(path, write)
     except FileExistsError:
@@ -78,8 +72,7 @@ def write_new_file(path: Path, write) -> None:
 
 
 def create_whole(path: Path, write) -> None:
-    """Create `path` holding what `write(file)` writes, complete or not at all, never
-    following or replacing what is there by then (FileExistsError)."""
+    """Create `path` from `write(file)`, whole or not at all, never replacing what is there (FileExistsError)."""
     tmp, made = write_temporary(path.parent, path.name, write), False
     try:
         try:
@@ -125,8 +118,7 @@ def atomic_write(directory: Path, name: str, write) -> None:
 
 
 def write_temporary(directory: Path, name: str, write) -> Path:
-    """A new, fsynced '.<name>.*.tmp' file holding what `write(file)` writes; its random name,
-    created exclusively, follows no planted link."""
+    """A new, fsynced '.<name>.*.tmp' file from `write(file)`; its random name follows no planted link."""
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
@@ -144,8 +136,7 @@ def write_temporary(directory: Path, name: str, write) -> Path:
 
 
 class WriteErrors:
-    """A file that keeps its writes' first error: torch.save turns a full disk, and a Ctrl-C in a
-    write, into RuntimeError("unexpected pos N vs M")."""
+    """Keeps its writes' first error: torch.save turns a full disk into RuntimeError("unexpected pos N vs M")."""
 
     def __init__(self, file):
         self.file, self.error = file, None

@@ -1,21 +1,6 @@
-"""A run's life: one run per output_dir (RunLock), and a clean stop when asked (StopRequest, Supervisor).
-
-One run per output_dir, so a second one (a double submit, a requeue race) never writes beside the first: rank 0
-creates <output_dir>/run.lock whole and exclusively, naming the holder's host, pid, launch and which start of the
-launch it is, and refreshes it every HEARTBEAT_S. A lock on disk is taken over when its holder is gone (an earlier
-start of the same SLURM job or torchrun launch; no live process with its pid on this host; no heartbeat for
-STALE_S, as from a dead node); else the run refuses at once, naming the holder. A torchrun launch is its run id
-(which two launches may share) with its store's address (which moves if rank 0 does on a restart): a holder with
-the same id from another host and store is watched, refused on a heartbeat and taken over after STALE_S of silence.
-
-A clean stop on SIGTERM (torchrun, SLURM), SIGINT (Ctrl-C), SIGUSR1 (SLURM's warning before the time limit) or
-the launcher's death. A signal may reach any of the processes: each only notes it, and at agreed optimizer steps
-(or rounds of evaluation batches) the ranks compare notes in one tiny all-reduce and stop together, rank 0 saving
-a checkpoint the next run resumes from exactly; well within the 30 s torchrun gives before SIGKILL. A launcher
-killed with -9 sends nothing, and its workers would train on, holding their GPUs: each rank a launcher started
-watches its parent, stops when it goes and exits ORPHAN_GRACE_S later if still there (`python train.py` is not
-watched: its shell may close on purpose). Such a stop exits STOPPED_EXIT_CODE; one at train.stop_at_step, 0.
-"""
+"""A run's life: one run per output_dir (RunLock: a double submit or a requeue race refused, a dead holder's lock
+taken over), and a clean stop when asked (StopRequest: signals only noted, the ranks stop together at agreed
+steps after a checkpoint, within the 30 s torchrun gives before SIGKILL; Supervisor)."""
 
 import contextlib
 import ctypes
@@ -42,10 +27,17 @@ HEARTBEAT_S = 30.0
 STALE_S = 120.0  # four missed heartbeats
 WATCH_S = 1.0  # how often a possible restart looks at its predecessor's heartbeat
 LOCK_NAME = "run.lock"
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+CHECK_EVERY_SECONDS = 0.5  # how often ranks compare notes: a few hundred us each time
+LAUNCHER_GONE = "the loss of its launcher"
+PARENT_CHECK_S = 1.0  # how often a rank looks for its launcher: one getppid() call
+ORPHAN_GRACE_S = 30.0  # as long as torchrun gives its workers between SIGTERM and SIGKILL
+STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped before the end (a checkpoint if it could); run the same command again
+PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its parent dies (Linux)
 
 
 def count(value) -> int:
-    """A restart count as written (a string in the environment, a number in a lock); 0 if none."""
+    """A restart count, a string (environment) or a number (lock); 0 if none."""
     text = str(value)
     return int(text) if text.isascii() and text.isdigit() else 0
 
@@ -62,9 +54,7 @@ class RunLock:
             "host": socket.gethostname(),
             "pid": os.getpid(),
             "started": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
-            # What survives a restart of the same launch, and only of it.
             "launch": f"slurm:{job}" if job else f"torchrun:{torchrun}" if torchrun else "",
-            # Which start of it this is: the SLURM job's requeues, the torchrun launch's restarts.
             "requeues": count(os.environ.get("SLURM_RESTART_COUNT")),  # unset until the first requeue
             "torchrun": torchrun,
             "restarts": count(os.environ.get("TORCHELASTIC_RESTART_COUNT")),
@@ -88,7 +78,7 @@ class RunLock:
         return self
 
     def try_create(self) -> bool:
-        """Create the lock whole or not at all: a full disk never leaves an empty one to block the next start."""
+        """Whole or not at all: a full disk never leaves an empty lock to block the next start."""
         try:
             create_whole(self.path, lambda f: f.write(json.dumps(self.me).encode()))
         except FileExistsError:
@@ -126,8 +116,7 @@ class RunLock:
             return self.path.stat().st_mtime
 
     def is_stale(self, holder: dict, modified: float | None) -> bool:
-        # A holder with this process's pid is a dead one whose pid came back (in a container, every start).
-        pid = holder.get("pid")
+        pid = holder.get("pid")  # this process's: a dead holder's pid came back (in a container, every start)
         dead_here = holder.get("host") == self.me["host"] and (pid == self.me["pid"] or not pid_alive(pid))
         silent = modified is None or time.time() - modified > STALE_S
         return self.earlier_start(holder) or dead_here or silent
@@ -178,14 +167,6 @@ def zombie(pid: int) -> bool:
         return False  # no /proc (not Linux): trust the signal
 
 
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
-CHECK_EVERY_SECONDS = 0.5  # how often ranks compare notes: a few hundred us each time
-LAUNCHER_GONE = "the loss of its launcher"
-PARENT_CHECK_S = 1.0  # how often a rank looks for its launcher: one getppid() call
-ORPHAN_GRACE_S = 30.0  # as long as torchrun gives its workers between SIGTERM and SIGKILL
-STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped before the end (a checkpoint if it could); run the same command again
-
-
 class StopRequest:
     """When to stop before the last epoch ends, the same on every rank: on a stop signal, or at train.stop_at_step."""
 
@@ -200,7 +181,6 @@ class StopRequest:
         self.by_signal = False  # whether the ranks agreed on a stop by a signal (or the launcher's loss)
 
     def install(self, launcher: str) -> "StopRequest":
-        """Handle the stop signals; under a launcher, watch it too."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, self.handle)
         if launcher != "none":
@@ -208,7 +188,7 @@ class StopRequest:
             threading.Thread(target=self.watch_launcher, name="launcher-watch", daemon=True).start()
         return self
 
-    def launcher_gone(self) -> bool:  # handed to another parent: the launcher died
+    def launcher_gone(self) -> bool:
         return self.parent is not None and os.getppid() != self.parent
 
     def watch_launcher(self) -> None:
@@ -224,7 +204,7 @@ class StopRequest:
         self.signal_name = signal.Signals(signum).name
 
     def requested(self, step: int) -> bool:
-        """Whether to stop after optimizer step `step`; every rank must call this after every step."""
+        """Whether to stop after optimizer step `step`; every rank calls this after every step."""
         return self.noted_anywhere(self.between_steps, step) or step == self.stop_at_step
 
     def reason(self, step: int) -> str:
@@ -237,17 +217,15 @@ class StopRequest:
         return self.by_signal
 
     def during_evaluation(self) -> Callable[[int], bool]:
-        """For one evaluation: whether any rank got a stop signal, asked by every rank after each round of batches."""
+        """For one evaluation: asked by every rank after each round of batches."""
         return functools.partial(self.noted_anywhere, NoteComparison(self.group))
 
     def exit_code(self) -> int:
-        """The same on every rank: STOPPED_EXIT_CODE after a stop by a signal or the launcher's loss, else 0."""
         return STOPPED_EXIT_CODE if self.by_signal else 0
 
 
 class NoteComparison:
-    """Ranks compare notes (a stop signal or not) at counts they agree on, every ~CHECK_EVERY_SECONDS: rank 0
-    proposes the next count from its rate inside the same all-reduce, so no clock has to agree."""
+    """Stop notes compared at agreed counts; rank 0 proposes the next in the same all-reduce: no clock must agree."""
 
     def __init__(self, group):
         self.group = group  # None: one process, nothing to compare
@@ -273,8 +251,7 @@ class NoteComparison:
 
 
 def leave_stop_signals_to_the_rank(worker_id: int) -> None:
-    """In each DataLoader worker: ignore the stop signals that launchers send the rank's whole process group (a
-    worker killed so takes its rank down before its stop checkpoint), but obey a SIGTERM from the rank itself."""
+    """In a DataLoader worker: ignore stop signals but the rank's own SIGTERM (dying would cut its checkpoint)."""
     for sig in set(STOP_SIGNALS) - {signal.SIGTERM}:
         signal.signal(sig, signal.SIG_IGN)
     signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # threads started next inherit it
@@ -288,12 +265,11 @@ def exit_on_sigterm_from(rank_pid: int) -> None:
 
 
 class Supervisor:
-    """Runs commands (sweep.py's runs) one at a time, each in a session of its own, passing on the stop signals this
-    process gets inside `with Supervisor() as supervisor:`; if it dies (kill -9), the child gets SIGTERM (Linux)."""
+    """Runs sweep.py's commands one at a time, passing on its stop signals; if it dies, the child gets SIGTERM."""
 
     def __init__(self):
-        self.child = None  # the command running, if any
-        self.received = []  # the stop signals this process got, in order
+        self.child = None
+        self.received = []  # stop signals, in order
         self.passed = 0  # how many of them the child got
 
     def __enter__(self) -> "Supervisor":
@@ -306,11 +282,10 @@ class Supervisor:
 
     @property
     def stop_signal(self) -> str:
-        """The first stop signal received, by name; "" if none."""
         return self.received[0].name if self.received else ""
 
     def run(self, command: list[str], env: dict | None = None) -> str:
-        """How it ended: "ok" (exit 0), "stopped" (STOPPED_EXIT_CODE, or not 0 after a signal passed on), "exit N"."""
+        """How it ended: "ok", "stopped" (STOPPED_EXIT_CODE, or failed after a signal passed on) or "exit N"."""
         self.passed = 0
         set_up = terminated_with_parent(os.getpid())
         self.child = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=set_up)
@@ -332,9 +307,6 @@ class Supervisor:
             self.passed += 1
             with contextlib.suppress(ProcessLookupError):  # it has just exited
                 os.killpg(self.child.pid, sent)
-
-
-PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its parent dies (Linux)
 
 
 def terminated_with_parent(parent: int) -> Callable[[], None]:

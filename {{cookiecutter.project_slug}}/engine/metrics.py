@@ -1,13 +1,5 @@
-"""Validation metrics that are bitwise the same on any number of processes.
-
-The set is cut into fixed batches dealt whole to ranks (loader.py's EvalBatches), so a
-sample's result has the same bits on any world size even where a kernel depends on the
-batch-mates; results are kept per batch and combined in batch order, never rank order.
-`Mean` and `Sum` keep each batch's total on the device, all sent at the end in one
-all-reduce of a table with a row per batch; `Gathered` rows are gathered on rank 0 and
-computed there once (metrics that are not sums: AUROC, mAP, a median). A metric shows as
-`val_<name>`, or `val_<key>` for each key of a dict result.
-"""
+"""Validation metrics that are bitwise the same on any number of processes: fixed batches are dealt whole to
+ranks (loader.py's EvalBatches) and results combined in batch order, never rank order."""
 
 from collections.abc import Callable
 
@@ -25,7 +17,7 @@ TOTAL_OR_COUNT = "or update(total, count=n) for a total over n items"
 
 
 class Metric:
-    """What every metric is; `name` is build_metrics' key, for error messages."""
+    """`name`: build_metrics' key, for error messages."""
 
     name, kind = "?", "Metric"
 
@@ -38,9 +30,7 @@ class Metric:
 
 
 class Sum(Metric):
-    """A sum of rows of a fixed `shape` (e.g. (C, C) for a confusion matrix), as
-    `compute(total)` (default: a number): `update(rows)` with shape [batch, *shape], or
-    `update(total, count=n)` with a total of `shape` over n items."""
+    """`compute(total)` of `update(rows)` of [batch, *shape] (e.g. a confusion matrix), or `update(total, count=n)`."""
 
     kind = "Sum"
 
@@ -48,7 +38,7 @@ class Sum(Metric):
         self.shape = self.row = torch.Size(shape)  # of the total, of one sample's row
         self.compute = compute or float
         self.batch_total, self.rows = None, 0  # of the batch in progress; rows given without count=
-        self.batch_totals: list[torch.Tensor] = []  # one per batch evaluated, flat
+        self.batch_totals: list[torch.Tensor] = []  # per batch, flat
 
     def update(self, values: torch.Tensor, count=None) -> None:
         if not isinstance(values, torch.Tensor):
@@ -63,7 +53,6 @@ class Sum(Metric):
         self.batch_total = total if self.batch_total is None else self.batch_total + total
 
     def total(self, values: torch.Tensor, count) -> torch.Tensor:
-        """The batch total from update's arguments (rows, or a total over `count` items)."""
         if count is None:
             return values.sum(dim=0, dtype=torch.float64)
         if values.shape != self.shape:
@@ -81,9 +70,7 @@ class Sum(Metric):
 
 
 class Mean(Sum):
-    """The mean of one value per sample, `update(values)` with shape [batch] (1.0/0.0 for
-    accuracy, a loss with reduction="none"), or of a total: `update(total, count=n)` (e.g.
-    a loss summed over n tokens; `count` a number or a tensor)."""
+    """The mean of `update(values)` of shape [batch], or of `update(total, count=n)` (a loss over n tokens)."""
 
     kind = "Mean"
 
@@ -97,17 +84,14 @@ class Mean(Sum):
 
 
 class Gathered(Metric):
-    """A metric computed once from every sample's result: `update(*columns)`, each column
-    a tensor whose first dimension is the batch or a list with an item per sample (e.g. a
-    detector's dicts). Rank 0 gathers every rank's rows in dataset order and calls
-    `compute(*columns)`: tensors or lists, the same on any number of processes."""
+    """`compute(*columns)` on rank 0 (AUROC, mAP) of `update(*columns)`: tensors or lists with a row per sample."""
 
     kind = "Gathered"
 
     def __init__(self, compute: Callable):
         self.compute = compute
-        self.parts: list[tuple] = []  # the batch in progress: one tuple of columns per update
-        self.batches: list[list] = []  # per batch evaluated: its columns (on the device)
+        self.parts: list[tuple] = []  # the batch in progress: columns per update
+        self.batches: list[list] = []  # per batch: its columns
 
     def update(self, *columns) -> None:
         for number, column in enumerate(columns, start=1):
@@ -126,15 +110,13 @@ class Gathered(Metric):
 
 
 def kept(tensor: torch.Tensor) -> torch.Tensor:
-    """Detached, and copied if a view of a larger tensor (e.g. a column of the logits), so
-    the rest is freed while the row is kept to the end of evaluation."""
+    """Detached, and copied if a view of a larger tensor (a column of the logits), so the rest is freed."""
     tensor = tensor.detach()
     return tensor.clone() if tensor.untyped_storage().nbytes() > tensor.numel() * tensor.element_size() else tensor
 
 
 def to_numpy(tensor: torch.Tensor) -> np.ndarray:
-    """Numpy arrays travel between processes without pickled tensors (which torch loads
-    with weights_only=False)."""
+    """Numpy arrays travel without pickled tensors (which torch loads with weights_only=False)."""
     return (tensor.float() if tensor.dtype == torch.bfloat16 else tensor).cpu().numpy()
 
 
@@ -145,7 +127,6 @@ def join(parts: list):
 
 
 def check_metrics(metrics: dict) -> dict:
-    """build_metrics' result, each metric told its name."""
     if not isinstance(metrics, dict):
         raise TaskError(f"build_metrics must return a dict of name: metric, not {type(metrics).__name__}")
     for name, metric in metrics.items():
@@ -160,15 +141,9 @@ def check_metrics(metrics: dict) -> dict:
 
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, validation_step, metrics, device, precision, max_batches=None, stop=None):
-    """{"val_<name>": value, ..., "num_samples": n} over the validation set (or each rank's
-    first `max_batches` batches), the same on every rank; None if `stop(batch_round)`
-    (StopRequest.during_evaluation) said so. Every rank must call this.
-
-    Pass the unwrapped model: DDP's forward may broadcast buffers, a collective that
-    would hang when ranks hold different numbers of batches.{% if cookiecutter.fsdp %} An FSDP model's forward is a
-    collective itself, so there every rank runs as many forwards as rank 0 (the busiest),
-    the extra ones on the set's first sample, counted nowhere.{% endif %}
-    """
+    """{"val_<name>" or "val_<key>" of a dict: value, ..., "num_samples": n}, the same on every rank; None if
+    `stop(batch_round)` said so. Pass the unwrapped model: DDP's forward may broadcast, and batches are uneven.{% if cookiecutter.fsdp %}
+    An FSDP forward is a collective itself: every rank runs as many as rank 0, the extra ones counted nowhere.{% endif %}"""
     metrics = check_metrics(metrics)
     plan = loader.batch_sampler
     num_batches = plan.num_batches if max_batches is None else min(plan.num_batches, max_batches * plan.world_size)
@@ -176,10 +151,7 @@ def evaluate(model: nn.Module, loader, validation_step, metrics, device, precisi
     every_rank_has = num_batches // plan.world_size  # rounds at which a stop can be agreed
     model.eval()
 {%- if cookiecutter.fsdp %}
-    # A failing validation_step stops every rank, none is left waiting (under FSDP only
-    # if it fails on every rank alike: the others wait in a forward's all-gather).
-{%- else %}
-    # A failing validation_step stops every rank, none is left waiting.
+    # Under FSDP a validation_step failing on some ranks only leaves the others in an all-gather.
 {%- endif %}
     with distributed.stop_all_if_any_fails(device):
         for batch_round, (batch_id, batch) in enumerate(zip(mine, loader, strict=False)):  # a sanity check stops early
@@ -200,9 +172,7 @@ def evaluate(model: nn.Module, loader, validation_step, metrics, device, precisi
 
 
 def compute_metrics(metrics: dict, plan, num_batches: int, device: torch.device) -> dict:
-    """Every metric's result over the first `num_batches` batches of `plan`, the same bits
-    on every rank and any number of them, and their number of samples. Every rank must
-    call this."""
+    """Every metric's result over the first `num_batches` batches of `plan`. Every rank must call this."""
     sums = {name: m for name, m in metrics.items() if isinstance(m, Sum)}
     results = sum_in_batch_order(sums, plan, num_batches, device) if sums else {}
     gathered = {name: m for name, m in metrics.items() if isinstance(m, Gathered)}
@@ -216,26 +186,20 @@ def compute_metrics(metrics: dict, plan, num_batches: int, device: torch.device)
 
 
 def sum_in_batch_order(sums: dict[str, Sum], plan, num_batches: int, device: torch.device) -> dict:
-    """Each Sum's result from its batch totals, added one batch after another in batch
-    order: the same bits on any number of processes."""
+    """Each Sum's result from its batch totals, added in batch order."""
     table = torch.zeros(num_batches, sum(m.shape.numel() for m in sums.values()), dtype=torch.float64, device=device)
     for row, batch_id in enumerate(plan.mine(num_batches)):
         table[batch_id] = torch.cat([m.batch_totals[row].to(device) for m in sums.values()])
-    # Each entry is one rank's value plus zeros from the others: exact in any order.
-    table = distributed.all_reduce_sum(table).cpu()
+    table = distributed.all_reduce_sum(table).cpu()  # one rank's value plus zeros: exact in any order
     totals = torch.zeros(table.shape[1], dtype=torch.float64)
     for row in table:  # one add per batch, elementwise: the order is fixed whatever the threads
         totals += row
-    results, offset = {}, 0
-    for name, metric in sums.items():
-        results[name] = metric.compute(totals[offset : offset + metric.shape.numel()].reshape(metric.shape))
-        offset += metric.shape.numel()
-    return results
+    pieces = totals.split([metric.shape.numel() for metric in sums.values()])
+    return {name: m.compute(piece.reshape(m.shape)) for (name, m), piece in zip(sums.items(), pieces, strict=True)}
 
 
 def compute_gathered(metrics: dict[str, Gathered], num_batches: int) -> dict:
-    """Each Gathered metric's result, computed on rank 0 from every rank's batches in
-    dataset order and shared. Every rank must call this."""
+    """Each Gathered metric's result, computed on rank 0 and shared. Every rank must call this."""
     mine = {name: map_leaves(m.batches, to_numpy, torch.is_tensor) for name, m in metrics.items()}  # once to the host
     everything = distributed.gather_objects_on_main(mine)
     results = None

@@ -20,6 +20,7 @@ from engine.logs import ERROR_FILE_VARIABLE
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="torchelastic_")  # where each process leaves its last word
+    earlier = set(Path(args.log_dir).glob("*"))  # other launches' logs, in a --log-dir used before
     launch = record(run) if ERROR_FILE_VARIABLE in os.environ else run  # an outer launcher gets the error file
     try:
         launch(args)
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
         for stop_signal in (signal.SIGINT, signal.SIGTERM):  # torchrun has waited: a further signal ends this one
             signal.signal(stop_signal, signal.SIG_DFL)
         sigval = getattr(stop, "sigval", signal.SIGINT)  # KeyboardInterrupt: before torchrun took the signals
-        if isinstance(stop, SignalException) and not processes_left() and all_saved(Path(args.log_dir)):
+        if isinstance(stop, SignalException) and not processes_left() and all_saved(Path(args.log_dir), earlier):
             return STOPPED_EXIT_CODE  # each said so (train.py's `stopped at step N ...`): the same command continues
         passed = f"stopped by {sigval.name}: torchrun passed it on to every process"
         if not isinstance(stop, SignalException):
@@ -45,11 +46,21 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def all_saved(log_dir: Path) -> bool:
-    attempts = sorted(log_dir.glob("*/attempt_*"), key=lambda path: int(path.name.removeprefix("attempt_")))
-    processes = [path / "error.json" for path in attempts[-1].iterdir()] if attempts else []
-    codes = [json.loads(path.read_text())["message"].get("errorCode") if path.is_file() else None for path in processes]
+def all_saved(log_dir: Path, earlier: set = frozenset()) -> bool:
+    """Whether every process of this launch's last attempt left STOPPED_EXIT_CODE in its error file."""
+    attempts = [path for path in log_dir.glob("*/attempt_*") if path.parent not in earlier]
+    attempts = [path for path in attempts if path.name.removeprefix("attempt_").isdigit()]
+    attempts.sort(key=lambda path: int(path.name.removeprefix("attempt_")))
+    codes = [saved_code(path / "error.json") for path in attempts[-1].iterdir()] if attempts else []
     return bool(codes) and all(code == STOPPED_EXIT_CODE for code in codes)
+
+
+def saved_code(error_file: Path) -> int | None:
+    """The exit code a process left in its error file; None for none, or one it did not write."""
+    try:
+        return json.loads(error_file.read_text())["message"]["errorCode"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def processes_left() -> bool:

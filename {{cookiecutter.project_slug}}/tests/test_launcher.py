@@ -73,6 +73,19 @@ def test_a_stop_counts_as_saved_only_when_every_process_of_the_last_attempt_said
     assert all_saved(tmp_path)
     attempt(11, [75, None])  # one process left no line: it did not save
     assert not all_saved(tmp_path)
+    assert all_saved(tmp_path / "elsewhere") is False  # a --log-dir that does not exist yet: nothing saved
+    (tmp_path / "run" / "attempt_11" / "1" / "error.json").write_text('{"message": "not a dict"}')
+    assert not all_saved(tmp_path)  # an error file it did not write
+
+
+def test_a_stop_in_a_reused_log_dir_counts_only_this_launchs_processes(tmp_path):
+    earlier_run = tmp_path / "earlier_x" / "attempt_0" / "0"
+    earlier_run.mkdir(parents=True)
+    write_last_word(str(earlier_run / "error.json"), "w", 75)
+    earlier = set(tmp_path.iterdir())
+    assert all_saved(tmp_path) and not all_saved(tmp_path, earlier)
+    (tmp_path / "this_y" / "attempt_x").mkdir(parents=True)  # not an attempt torchrun makes
+    assert not all_saved(tmp_path, earlier)
 
 
 # -- which failure the launcher shows -----------------------------------------------------------

@@ -28,12 +28,12 @@ import train  # noqa: E402
 from data import count_classes  # noqa: E402
 from engine.checkpoint import Checkpointer  # noqa: E402
 from engine.distributed import cleanup_distributed, init_distributed_mode  # noqa: E402
+from engine.host import set_host_allocator  # noqa: E402
 from engine.lifecycle import StopRequest  # noqa: E402
 from engine.logs import QuietLog  # noqa: E402
 from engine.parts import build_parts  # noqa: E402
 from engine.parts.memory import train_state_mib  # noqa: E402
 from engine.sharded import sharded_state_dict  # noqa: E402
-from engine.host import set_host_allocator  # noqa: E402
 from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
 
 DEPTH, WIDTH = 24, 2048

@@ -107,7 +107,6 @@ class Repeated(torch.utils.data.Dataset):
         return 10
 
 
-@pytest.mark.quick
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_a_sampler_of_your_own_is_dealt_out_in_whole_steps_with_a_seed_per_repeat(world_size):
     def thrice(num_samples, generator):
@@ -127,7 +126,6 @@ def test_a_sampler_of_your_own_is_dealt_out_in_whole_steps_with_a_seed_per_repea
     assert len(set(seeds)) == len(seeds)  # each repeat of a sample augmented differently
 
 
-@pytest.mark.quick
 def test_a_sampler_that_changes_its_length_or_leaves_the_data_is_refused_in_one_line():
     def shrinking(num_samples, generator):  # 11 indices in epoch 0, 10 in epoch 1 (seed 0)
         return [0] * (num_samples + 1 - generator.initial_seed())
@@ -140,7 +138,6 @@ def test_a_sampler_that_changes_its_length_or_leaves_the_data_is_refused_in_one_
         TrainSampler(Repeated(), DistEnv(rank=0, world_size=1), 0, 2, order=lambda n, g: [n])
 
 
-@pytest.mark.quick
 def test_the_opening_lines_name_what_changes_the_math_from_a_plain_loop():
     cfg = project_config(None, ["train.accum_steps=2"])
     state = SimpleNamespace(model=nn.Sequential(nn.Linear(2, 2), nn.SyncBatchNorm(2)), steps_per_epoch=7)

@@ -408,14 +408,16 @@ def predict_on_1_and_2_processes(train_args, output_dir: Path, images=5) -> list
     return rows
 
 
-def assert_resume_is_bitwise(train_args, output_dir: Path, nproc, stop_at: int) -> None:
+def assert_resume_is_bitwise(train_args, output_dir: Path, nproc, stop_at: int, cwd=PROJECT) -> tuple[dict, str]:
     """Your task: a run stopped after optimizer step `stop_at` and started again ends with
-    the same weights, optimizer state and validation metrics as the run left alone."""
+    the same weights, optimizer state and validation metrics as the run left alone. Returns
+    the whole run's last checkpoint and what the resumed run printed."""
     whole, split = output_dir / "whole", output_dir / "split"
-    run_script("train.py", [*train_args, f"output_dir={whole}"], nproc=nproc, cwd=PROJECT)
+    run_script("train.py", [*train_args, f"output_dir={whole}"], nproc=nproc, cwd=cwd)
     args = [*train_args, f"output_dir={split}"]
-    run_script("train.py", [*args, f"train.stop_at_step={stop_at}"], nproc=nproc, cwd=PROJECT)
-    assert "resumed from" in run_script("train.py", args, nproc=nproc, cwd=PROJECT).stdout
+    run_script("train.py", [*args, f"train.stop_at_step={stop_at}"], nproc=nproc, cwd=cwd)
+    resumed = run_script("train.py", args, nproc=nproc, cwd=cwd).stdout
+    assert "resumed from" in resumed
 
     a, b = (load_checkpoint(out / "checkpoints" / "last.pt") for out in (whole, split))
     assert a["step"] == b["step"] > stop_at
@@ -427,3 +429,21 @@ def assert_resume_is_bitwise(train_args, output_dir: Path, nproc, stop_at: int) 
         {k: v for k, v in m.items() if k.startswith("val_") or k == "num_samples"} for m in read_metrics(whole)
     ]
     assert validation == [{k: m[k] for k in v} for m, v in zip(read_metrics(split), validation, strict=True)]
+    return a, resumed
+
+
+def project_with(tmp_path, edits: dict) -> Path:
+    """A copy of the machinery's project with some of its user files edited: {name: edit(text) -> text}."""
+    project = tmp_path / "project"
+    shutil.copytree(machinery_project(), project)
+    for name, edit in edits.items():
+        (project / name).write_text(edit((project / name).read_text()))
+    return project
+
+
+def replaced(text: str, pairs) -> str:
+    """`text` with each (old, new) pair replaced; each `old` must be there."""
+    for old, new in pairs:
+        assert old in text, old
+        text = text.replace(old, new)
+    return text

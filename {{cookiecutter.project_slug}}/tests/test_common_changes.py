@@ -3,13 +3,10 @@ an optimizer and a schedule of your own, a new metric, and an object of yours sa
 checkpoints. Each trains on 2 processes, is stopped mid-epoch and resumed, and ends
 bitwise equal to a run left alone, under DDP and under FSDP."""
 
-import shutil
-from pathlib import Path
-
 import pytest
 import torch
 
-from conftest import FAST, STRATEGIES, machinery_project, read_metrics, run_script, strategy_args, tensors
+from conftest import FAST, STRATEGIES, project_with, read_metrics, replaced, run_script, strategy_args, tensors
 from engine.checkpoint import load_checkpoint
 from engine.errors import UsageError
 from engine.training import TrainState
@@ -78,22 +75,6 @@ class LrTally(Part):
 REGISTER = "    return train_loader, val_loader, state\n"
 
 
-def project_with(tmp_path, name: str, edit) -> Path:
-    """A copy of the machinery's project with one of its user files edited."""
-    project = tmp_path / "project"
-    shutil.copytree(machinery_project(), project)
-    path = project / name
-    path.write_text(edit(path.read_text()))
-    return project
-
-
-def replaced(text: str, pairs) -> str:
-    for old, new in pairs:
-        assert old in text, old
-        text = text.replace(old, new)
-    return text
-
-
 def own_state(text: str) -> str:
     """The object, and the one line that registers it."""
     text = replaced(text, [(REGISTER, '    state.register("lr_tally", LrTally())\n' + REGISTER)])
@@ -121,7 +102,7 @@ def run_whole_and_resumed(project, tmp_path, args):
 @pytest.mark.parametrize("change", list(EDITS))
 def test_a_change_in_one_user_file_trains_and_resumes_bitwise(tmp_path, change, strategy):
     name, edit = EDITS[change]
-    project = project_with(tmp_path, name, edit)
+    project = project_with(tmp_path, {name: edit})
     (a, b), whole, split = run_whole_and_resumed(project, tmp_path, [*ARGS, *strategy_args(strategy)])
     assert a["step"] == b["step"] == 2 * STEPS_PER_EPOCH
     for part in ("model", "optimizer"):

@@ -4,16 +4,13 @@ augmentation), and opening lines that say what the run changes from a plain loop
 trains on 2 processes, is stopped mid-epoch and resumed, and ends bitwise equal to a run
 left alone."""
 
-import shutil
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn as nn
 
-from conftest import FAST, machinery_project, project_config, read_metrics, run_script, tensors
-from engine.checkpoint import load_checkpoint
+from conftest import FAST, assert_resume_is_bitwise, project_config, project_with, read_metrics, replaced
 from engine.distributed import DistEnv
 from engine.errors import UsageError
 from engine.loader import TrainSampler
@@ -55,51 +52,25 @@ def train_order(num_samples, generator):
 '''
 
 
-def edited(text: str, pairs) -> str:
-    for old, new in pairs:
-        assert old in text, old
-        text = text.replace(old, new, 1)
-    return text
-
-
-def project_with(tmp_path, edits: dict) -> Path:
-    project = tmp_path / "project"
-    shutil.copytree(machinery_project(), project)
-    for name, edit in edits.items():
-        (project / name).write_text(edit((project / name).read_text()))
-    return project
-
-
-def whole_and_resumed(project, tmp_path, args) -> list[dict]:
-    runs = []
-    for name, stop in (("whole", []), ("split", [f"train.stop_at_step={STEPS_PER_EPOCH + 3}"])):
-        out = tmp_path / name
-        run_script("train.py", [*args, f"output_dir={out}", *stop], nproc=2, cwd=project)
-        runs.append(out)
-    resumed = run_script("train.py", [*args, f"output_dir={runs[1]}"], nproc=2, cwd=project).stdout
-    assert "resumed from" in resumed
+def resumes_bitwise(project, tmp_path, args) -> list[dict]:
+    """2 processes stopped mid-epoch and resumed end as the run left alone; its metrics rows."""
+    a, resumed = assert_resume_is_bitwise(args, tmp_path, 2, stop_at=STEPS_PER_EPOCH + 3, cwd=project)
+    assert a["step"] == 2 * STEPS_PER_EPOCH  # equal steps on every rank, every epoch
     assert f"epoch 1's train_* figures will cover its steps from {STEPS_PER_EPOCH + 4} on" in resumed  # says so
-    a, b = (load_checkpoint(out / "checkpoints" / "last.pt") for out in runs)
-    assert a["step"] == b["step"] == 2 * STEPS_PER_EPOCH  # equal steps on every rank, every epoch
-    for part in ("model", "optimizer"):
-        for key, value in tensors(a[part]).items():
-            assert torch.equal(tensors(b[part])[key], value), f"{part}{key} differs after resume"
-    rows = [read_metrics(out) for out in runs]
-    assert [row["val_loss"] for row in rows[0]] == [row["val_loss"] for row in rows[1]]
-    return rows[0]
+    return read_metrics(tmp_path / "whole")
 
 
 def test_mixup_and_label_smoothing_in_your_files_train_and_resume_bitwise_and_never_mix_validation(tmp_path):
     project = project_with(
-        tmp_path, {"data.py": lambda text: text + MIXUP, "model.py": lambda text: edited(text, STEPS)}
+        tmp_path, {"data.py": lambda text: text + MIXUP, "model.py": lambda text: replaced(text, STEPS)}
     )
-    rows = whole_and_resumed(project, tmp_path, [*ARGS, "model.label_smoothing=0.1"])
+    rows = resumes_bitwise(project, tmp_path, [*ARGS, "model.label_smoothing=0.1"])
     assert len(rows) == 2
 
 
 def test_a_sampler_of_your_own_keeps_equal_steps_and_a_bitwise_resume(tmp_path):
     project = project_with(tmp_path, {"data.py": lambda text: text + REPEATED})
-    whole_and_resumed(project, tmp_path, ARGS)
+    resumes_bitwise(project, tmp_path, ARGS)
 
 
 class Repeated(torch.utils.data.Dataset):

@@ -32,12 +32,14 @@ def main(argv: list[str] | None = None) -> int:
         for stop_signal in (signal.SIGINT, signal.SIGTERM):  # torchrun has waited: a further signal ends this one
             signal.signal(stop_signal, signal.SIG_DFL)
         sigval = getattr(stop, "sigval", signal.SIGINT)  # KeyboardInterrupt: before torchrun took the signals
-        if isinstance(stop, SignalException) and not processes_left() and all_saved(Path(args.log_dir), earlier):
+        started = isinstance(stop, SignalException)
+        left = started and processes_left()  # torchrun gave up waiting (a signal while it waited)
+        if started and not left and all_saved(Path(args.log_dir), earlier):
             return STOPPED_EXIT_CODE  # each said so (train.py's `stopped at step N ...`): the same command continues
         passed = f"stopped by {sigval.name}: torchrun passed it on to every process"
-        if not isinstance(stop, SignalException):
+        if not started:
             line = f"stopped by {sigval.name} before any process started"
-        elif processes_left():  # torchrun gave up waiting (a signal while it waited): they stop on their own
+        elif left:  # they stop on their own
             line = f"{passed}; some are still stopping on their own"
         else:
             line = f"{passed}, and all have ended (their last lines say how)"

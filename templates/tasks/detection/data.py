@@ -15,22 +15,11 @@ What train.py and evaluate.py use from here:
 - `build_predict_set(cfg, source) -> dataset` (for predict.py): new inputs, pre-processed
   as validation samples are, each with its name: here (image tensor, file path) for every
   image file under the folder `source`.
-- `augment_batch(batch, cfg) -> batch` (optional): augments a whole training batch
-  (e.g. torchvision's v2.MixUp or v2.CutMix), on the device, before `training_step`;
-  validation and prediction batches never pass through it.
-- `train_order(num_samples, generator) -> indices` (optional): the epoch's order of
-  training samples over all processes instead of a random permutation of them, e.g. each
-  index repeated 3 times (repeated augmentation); draw from `generator`, which is seeded
-  per epoch. The machinery deals it out to the processes in whole steps and resumes in it.
-
+{% include "tasks/data_hooks.txt" %}
 Rules that keep distributed training correct:
 - `__getitem__` returns fresh tensors, never an object the dataset keeps.
 - Keep per-sample metadata in tensors or arrays, not Python lists of objects.
-- Randomness lives in two places, both drawn from torch and seeded by the machinery, so
-  they repeat exactly on resume: a sample's transforms (seeded per sample: never repeated
-  across ranks or workers) and `augment_batch` (seeded per training batch). Not in
-  `collate_fn`, which validation batches pass through too.
-- Nothing here is distributed: samplers and loaders are the machinery's.
+{% include "tasks/randomness.txt" %}- Nothing here is distributed: samplers and loaders are the machinery's.
 """
 
 import json

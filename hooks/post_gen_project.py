@@ -21,6 +21,7 @@ PARTS = {
     "host_tuning": "{{ cookiecutter.host_tuning }}" == "True",
     "pretrained": "{{ cookiecutter.pretrained }}" == "True",
     "launcher": "{{ cookiecutter.launcher }}" == "True",
+    "sweep": "{{ cookiecutter.sweep }}" == "True",
     "fsdp": "{{ cookiecutter.fsdp }}" == "True",
 }
 PART_FILES = {
@@ -35,6 +36,7 @@ PART_FILES = {
     "host_tuning": ["engine/host.py", "tests/test_host.py"],
     "pretrained": ["engine/pretrained.py", "tests/test_pretrained.py", "docs/pretrained.md"],
     "launcher": ["engine/launch.py", "tests/test_launcher.py"],  # a tool, not a Part
+    "sweep": ["sweep.py", "engine/supervisor.py", "tests/test_sweep.py"],  # a tool too
     "fsdp": [
         "engine/parts/fsdp.py",
         "engine/sharded.py",

@@ -25,6 +25,7 @@ PART_ANSWERS = (
     "host_tuning",
     "pretrained",
     "launcher",
+    "sweep",
     "fsdp",
 )
 WITHOUT_PARTS = dict.fromkeys(PART_ANSWERS, "no")

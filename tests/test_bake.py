@@ -212,6 +212,7 @@ PART_WORDS = {
     "host_tuning": [r"mallopt", r"set_host_allocator", r"gc\.freeze", r"freeze_setup_objects"],
     "pretrained": [r"\bpretrained\b", r"\bPretrained\b"],
     "launcher": [r"engine\.launch"],
+    "sweep": [r"sweep\.py", r"\bsweeps?\b"],
     "fsdp": [r"\bfsdp\b", r"\bFSDP\b", r"sharded"],
 }
 
@@ -246,8 +247,8 @@ def test_a_part_answered_no_leaves_no_file_config_key_or_line_of_text(tmp_path):
     full_files, bare_files = ({str(p.relative_to(root)) for p in rendered_files(root)} for root in (full, bare))
     gone = full_files - bare_files
     assert bare_files <= full_files and gone, gone
-    parts_files = ("engine/parts/", "tests/test_", "tests/sharded_", "docs/")
-    part_modules = ("launch", "sharded", "throughput", "run_record", "host", "pretrained")
+    parts_files = ("engine/parts/", "tests/test_", "tests/sharded_", "docs/", "sweep.py")
+    part_modules = ("launch", "supervisor", "sharded", "throughput", "run_record", "host", "pretrained")
     parts_files += tuple(f"engine/{name}.py" for name in part_modules)
     assert all(name.startswith(parts_files) for name in gone), gone
     assert sorted(p.name for p in (bare / "engine" / "parts").iterdir()) == ["__init__.py"]

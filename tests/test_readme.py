@@ -21,6 +21,7 @@ PARTS = {
     "host_tuning": (None, r"mallopt|set_host_allocator|gc\.freeze|engine/host\.py"),  # sections of saving-memory.md
     "pretrained": ("pretrained.md", r"pretrained|ResNet18_Weights|TORCH_HOME"),
     "launcher": (None, r"engine\.launch"),  # a section of launch.md, no page of its own
+    "sweep": (None, r"sweep\.py|\bsweeps?\b"),  # a section of outputs.md
     "fsdp": ("fsdp.md", r"\bfsdp|sharded"),
 }
 ALL_PARTS_OFF = {answer: "no" for answer in PARTS}

@@ -1,17 +1,14 @@
 """A run's life: one run per output_dir (RunLock: a double submit or a requeue race refused, a dead holder's lock
 taken over), and a clean stop when asked (StopRequest: signals only noted, the ranks stop together at agreed
-steps after a checkpoint, within the 30 s torchrun gives before SIGKILL; Supervisor)."""
+steps after a checkpoint, within the 30 s torchrun gives before SIGKILL)."""
 
 import contextlib
-import ctypes
 import datetime
 import functools
 import json
 import os
 import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable
@@ -33,7 +30,6 @@ LAUNCHER_GONE = "the loss of its launcher"
 PARENT_CHECK_S = 1.0  # how often a rank looks for its launcher: one getppid() call
 ORPHAN_GRACE_S = 30.0  # as long as torchrun gives its workers between SIGTERM and SIGKILL
 STOPPED_EXIT_CODE = 75  # EX_TEMPFAIL: stopped before the end (a checkpoint if it could); run the same command again
-PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its parent dies (Linux)
 
 
 def count(value) -> int:
@@ -262,61 +258,3 @@ def exit_on_sigterm_from(rank_pid: int) -> None:
     while signal.sigwaitinfo({signal.SIGTERM}).si_pid != rank_pid:
         pass  # from the launcher: the rank stops, then ends this worker
     os._exit(0)
-
-
-class Supervisor:
-    """Runs sweep.py's commands one at a time, passing on its stop signals; if it dies, the child gets SIGTERM."""
-
-    def __init__(self):
-        self.child = None
-        self.received = []  # stop signals, in order
-        self.passed = 0  # how many of them the child got
-
-    def __enter__(self) -> "Supervisor":
-        self.previous = {sig: signal.signal(sig, self.receive) for sig in STOP_SIGNALS}
-        return self
-
-    def __exit__(self, *error) -> None:
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
-
-    @property
-    def stop_signal(self) -> str:
-        return self.received[0].name if self.received else ""
-
-    def run(self, command: list[str], env: dict | None = None) -> str:
-        """How it ended: "ok", "stopped" (STOPPED_EXIT_CODE, or failed after a signal passed on) or "exit N"."""
-        self.passed = 0
-        set_up = terminated_with_parent(os.getpid())
-        self.child = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=set_up)
-        self.pass_on()  # a signal that came while it started
-        code = self.child.wait()
-        self.child = None
-        if code == 0:
-            return "ok"
-        return "stopped" if code == STOPPED_EXIT_CODE or self.passed else f"exit {code}"
-
-    def receive(self, signum, frame) -> None:
-        self.received.append(signal.Signals(signum))
-        self.pass_on()
-
-    def pass_on(self) -> None:
-        """To the child's process group, as a terminal would: the first stop signal, then a SIGINT (stop now)."""
-        due = self.received[:1] + ([signal.SIGINT] if signal.SIGINT in self.received[1:] else [])
-        for sent in due[self.passed :] if self.child is not None else ():
-            self.passed += 1
-            with contextlib.suppress(ProcessLookupError):  # it has just exited
-                os.killpg(self.child.pid, sent)
-
-
-def terminated_with_parent(parent: int) -> Callable[[], None]:
-    """A preexec_fn: the child gets SIGTERM when `parent` dies, at once if it died before this was set."""
-    libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-
-    def set_up() -> None:
-        if libc is not None:
-            libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() != parent:
-            os.kill(os.getpid(), signal.SIGTERM)
-
-    return set_up

@@ -125,7 +125,7 @@ def machinery_project() -> Path:
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     project = root / PROJECT.name
     shutil.copytree(PROJECT / "engine", project / "engine", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("evaluate.py", "export.py", "predict.py", "sweep.py"):
+    for name in ("evaluate.py", "export.py", "predict.py"{{ ', "sweep.py"' if cookiecutter.sweep }}):
         shutil.copy(PROJECT / name, project / name)
     for name in ("model.py", "data.py", "synthetic_data.py", "config.yaml", "train.py", "recipe.py"):
         shutil.copy(REFERENCE_TASK / name, project / name)

@@ -51,7 +51,7 @@ def test_ctrl_c_stops_every_process_with_a_checkpoint_then_the_projects_line_and
     assert len(ranks) == 2, seen
     process.send_signal(signal.SIGINT)  # what Ctrl-C sends: torchrun's ranks have process groups of their own
     output = finish(process, seen)
-    assert process.returncode == 75, output  # stopped: the same command continues, as sweep.py reads it
+    assert process.returncode == 75, output  # stopped: the same command continues
     assert "Traceback" not in output and "SignalException" not in output, output
     last = output.splitlines()[-1]  # rank 0's, as without a launcher
     assert last.startswith("stopped at step ") and last.endswith("run the same command to continue"), output

@@ -287,7 +287,7 @@ time.sleep(120)
 """
 SUPERVISES = """
 import sys
-from engine.lifecycle import Supervisor
+from engine.supervisor import Supervisor
 with Supervisor() as supervisor:
     print("ended:", supervisor.run([sys.executable, "-c", sys.argv[1]]), supervisor.stop_signal, flush=True)
 """

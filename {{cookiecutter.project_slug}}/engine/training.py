@@ -53,7 +53,6 @@ def build_grad_scaler(precision: str, device: torch.device) -> torch.amp.GradSca
 
 
 MIN_FP16_SCALE = 2.0**-10  # 26 halvings below GradScaler's initial 2**16
-FOLD_EVERY = 100  # norms kept before they are reduced: a few ops per 100 steps, not 5 per step
 
 
 class NonFiniteGuard:
@@ -61,8 +60,8 @@ class NonFiniteGuard:
     intact, instead of saving non-finite weights as progress.
 
     Each step's gradient norm (the same on every rank: gradients are all-reduced first)
-    stays on the device; every FOLD_EVERY steps they are reduced there to the first bad
-    step. `check_later` reads that one interval late, so nothing waits for the device;
+    stays on the device, where the first bad step is kept (three small ops a step).
+    `check_later` reads it one interval late, so nothing waits for the device;
     `check`, before every checkpoint, reads it at once. With fp16 the GradScaler skips bad
     steps itself: such a run diverged only when its scale collapsed.
     """
@@ -70,8 +69,6 @@ class NonFiniteGuard:
     def __init__(self, train: TrainConfig, last_good: Callable[[], str], lr: float, device: torch.device):
         self.max_bad_steps, self.last_good, self.lr = train.max_bad_steps, last_good, lr
         self.first_bad_step = torch.full((), -1, dtype=torch.int64, device=device)
-        self.norms: list[torch.Tensor] = []  # of consecutive steps, from `self.norms_from`
-        self.norms_from = 0
         self.skipped_steps = 0  # over the whole run: saved in checkpoints
         self.first_bad_later = LaggedValue()  # what `check_later` started reading
 
@@ -93,35 +90,19 @@ class NonFiniteGuard:
         return True
 
     def keep(self, grad_norm: torch.Tensor, step: int) -> None:
-        if self.norms and step != self.norms_from + len(self.norms):
-            self.fold()  # fold counts steps from norms_from: it needs them consecutive
-        if not self.norms:
-            self.norms_from = step
-        self.norms.append(grad_norm)
-        if len(self.norms) >= FOLD_EVERY:
-            self.fold()
-
-    def fold(self) -> None:
-        """Reduce the kept norms into `first_bad_step`, on the device (no host sync)."""
-        if not self.norms:
-            return
-        bad = ~torch.isfinite(torch.stack(self.norms))
-        first_here = self.norms_from + (bad.cumsum(0) == 0).sum()  # steps before the first bad one
+        """`step` becomes the first bad step if its norm is not finite and none was before."""
         first = self.first_bad_step
-        self.first_bad_step = torch.where(bad.any() & (first < 0), first_here, first)
-        self.norms = []
+        self.first_bad_step = torch.where(torch.isfinite(grad_norm) | (first >= 0), first, step)
 
     def check_later(self) -> None:
         """Stop every rank if a step before the previous call was bad, without waiting for the
         device. Every rank calls this at the same steps."""
-        self.fold()
         first_bad = self.first_bad_later.swap(all_reduce_max_(self.first_bad_step.clone()))
         if first_bad is not None and first_bad >= 0:
             raise DivergedError(self.message(f"at step {first_bad}"))
 
     def check(self, scaler: torch.amp.GradScaler) -> None:
         """Stop every rank if a step was bad or fp16's scale collapsed; waits. Every rank calls this."""
-        self.fold()
         first_bad = int(all_reduce_max_(self.first_bad_step.clone()))
         if first_bad >= 0:
             raise DivergedError(self.message(f"at step {first_bad}"))

@@ -4,8 +4,8 @@ import contextlib
 import datetime
 import os
 import re
-import socket
-import sys
+{% if cookiecutter.run_record %}import socket
+{% endif %}import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 {% if cookiecutter.run_record %}from pathlib import Path
@@ -143,7 +143,9 @@ def init_distributed_mode(cfg: DistConfig{{ ', trace_dir: Path | None = None' if
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any other CUDA call, so nothing lands on GPU 0
     if env.launcher != "none":
+{%- if cookiecutter.run_record %}
         check_gloo_address(socket.gethostname(), multi_node(os.environ), os.environ)
+{%- endif %}
         os.environ.update(process_group_env(os.environ{{ ', cfg.flight_recorder_entries, trace_dir' if cookiecutter.run_record }}))
         if notice := waiting_notice(env, cfg.timeout_minutes):
             print(notice, file=sys.stderr, flush=True)
@@ -179,6 +181,7 @@ def process_group_env(environ: Mapping[str, str]{{ ', trace_entries: int, trace_
         wanted["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
 {%- endif %}
     return {n: v for n, v in wanted.items() if n not in environ{{ ' and OLDER_NAMES.get(n, n) not in environ' if cookiecutter.run_record }}}
+{%- if cookiecutter.run_record %}
 
 
 def multi_node(environ: Mapping[str, str]) -> bool:
@@ -200,6 +203,7 @@ def check_gloo_address(hostname: str, spans_hosts: bool, environ: Mapping[str, s
             "set GLOO_SOCKET_IFNAME to the interface between the nodes (e.g. GLOO_SOCKET_IFNAME=eth0 or ib0; "
             "`ip -br addr` lists them)"
         )
+{%- endif %}
 
 
 def shorten_timeout_after_first_step(optimizer: torch.optim.Optimizer, minutes: float, groups=()) -> None:

@@ -8,8 +8,10 @@ import torch
 from conftest import FAST, free_port, run_script, start_script, wait_for_line
 from engine.distributed import (
     DistEnv,
+{%- if cookiecutter.run_record %}
     check_gloo_address,
     multi_node,
+{%- endif %}
     parse_dist_env,
     process_group_env,
     select_backend,
@@ -254,7 +256,6 @@ def test_process_group_variables_set_at_launch_win_under_either_name():
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/",
     }
     assert process_group_env(launch, 2000, Path("/runs/a/fr")) == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
-{%- endif %}
 
 
 @pytest.mark.parametrize(
@@ -276,3 +277,4 @@ def test_a_multi_node_job_on_a_loopback_host_name_is_told_to_set_gloo_socket_ifn
         check_gloo_address("localhost", True, {})
     check_gloo_address("localhost", False, {})  # one host: loopback reaches every rank
     check_gloo_address("localhost", True, {"GLOO_SOCKET_IFNAME": "lo"})  # the user chose
+{%- endif %}

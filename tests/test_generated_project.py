@@ -83,6 +83,7 @@ PART_CODE = {
     "tests/reference_task/recipe.py",
     "tests/reference_task/model.py",  # the example's count_items (throughput) and model.pretrained
     *(f"tests/test_{name}.py" for name in ("checkpoint", "common_changes", "config", "divergence", "task_interface")),
+    "tests/test_train.py",  # torchrun's summary shows the error line (launcher)
     *(f"tests/test_{name}.py" for name in ("distributed", "faults")),  # the flight recorder (run_record)
     "tests/test_launch.py",  # the check of gloo's address across nodes (run_record)
     "tests/test_memory.py",  # the C heap figures (memory_report)

@@ -39,7 +39,7 @@ from engine.distributed import (
 {% if cookiecutter.host_tuning %}from engine.host import freeze_setup_objects, set_host_allocator
 {% endif %}from engine.lifecycle import RunLock, StopRequest, leave_stop_signals_to_the_rank
 from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
-from engine.logs import QuietLog, RunLog, hand_to_launcher, log, report_errors
+from engine.logs import QuietLog, RunLog, {{ 'hand_to_launcher, ' if cookiecutter.launcher }}log, report_errors
 from engine.metrics import evaluate
 from engine.parallel import build_and_wrap, memory_format{{ ', wrap_again' if cookiecutter.freezing }}
 from engine.parts import build_parts
@@ -433,8 +433,7 @@ class Run:
         return Outcome.DONE if self.done() else Outcome.GO_ON
 
     def save_stopped(self) -> None:
-        """The stop's checkpoint, and the line that says how to continue (to a launcher's
-        summary too, instead of a failure)."""
+        """The stop's checkpoint, and the line that says how to continue{{ " (to a launcher's\n        summary too, instead of a failure)" if cookiecutter.launcher }}."""
         started = time.monotonic()  # the save's time: what a stop needs before a time limit
         self.checkpointer.save(self.state)
         step = self.state.step
@@ -443,8 +442,10 @@ class Run:
             f"{time.monotonic() - started:.1f} s, run the same command to continue"
         )
         self.log.log(stopped)
+{%- if cookiecutter.launcher %}
         if self.stop.exit_code():
             hand_to_launcher(stopped, self.stop.exit_code())
+{%- endif %}
 
 
 if __name__ == "__main__":

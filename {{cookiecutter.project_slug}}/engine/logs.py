@@ -4,9 +4,9 @@ QuietLog, so the loop reads the same on every rank; one-off lines say `if is_mai
 
 import contextlib
 import functools
-import json
+{% if cookiecutter.launcher %}import json
 import os
-import re
+{% endif %}import re
 import sys
 import time
 from pathlib import Path
@@ -119,6 +119,7 @@ def format_epoch(metrics: dict) -> str:
     speed += [f"MFU {metrics['mfu']:.1%}"] if "mfu" in metrics else []
 {%- endif %}
     return f"epoch {metrics['epoch']}: {'  '.join(shown)} ({metrics['num_samples']} samples)  {', '.join(speed)}"
+{%- if cookiecutter.launcher %}
 
 
 ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each process it starts
@@ -137,6 +138,7 @@ def write_last_word(path: str, line: str, exit_code: int) -> None:
     # @record's layout: torchrun's summary shows `py_callstack`, here the line itself.
     extra = {"py_callstack": line, "timestamp": str(int(time.time()))}
     Path(path).write_text(json.dumps({"message": {"message": line, "errorCode": exit_code, "extraInfo": extra}}))
+{%- endif %}
 
 
 HOST_ALLOCATION_FAILED = "DefaultCPUAllocator: can't allocate memory"  # torch's own MemoryError
@@ -154,9 +156,11 @@ def report_errors(main):
             if (ending := last_word(error)) is None:
                 raise
             line, exit_code = ending
-            if line is not None:  # on stderr, and where torchrun's launcher finds it
+            if line is not None:  # on stderr{{ ", and where torchrun's launcher finds it" if cookiecutter.launcher }}
                 print(line, file=sys.stderr, flush=True)
+{%- if cookiecutter.launcher %}
                 hand_to_launcher(line, exit_code)
+{%- endif %}
             raise SystemExit(exit_code) from None
 
     return wrapper

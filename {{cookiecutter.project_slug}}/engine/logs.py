@@ -139,9 +139,11 @@ def write_last_word(path: str, line: str, exit_code: int) -> None:
     extra = {"py_callstack": line, "timestamp": str(int(time.time()))}
     Path(path).write_text(json.dumps({"message": {"message": line, "errorCode": exit_code, "extraInfo": extra}}))
 {%- endif %}
+{%- if cookiecutter.memory_report %}
 
 
 HOST_ALLOCATION_FAILED = "DefaultCPUAllocator: can't allocate memory"  # torch's own MemoryError
+{%- endif %}
 
 
 def report_errors(main):
@@ -152,7 +154,7 @@ def report_errors(main):
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
-        except (UsageError, MemoryError, KeyboardInterrupt, RuntimeError) as error:
+        except (UsageError, {{ 'MemoryError, ' if cookiecutter.memory_report }}KeyboardInterrupt, RuntimeError) as error:
             if (ending := last_word(error)) is None:
                 raise
             line, exit_code = ending
@@ -174,11 +176,13 @@ def last_word(error: BaseException) -> tuple[str | None, int] | None:
         # rank only is shown by that rank; PeerFailed ranks stay quiet.
         shown = not isinstance(error, PeerFailed) and (is_main() or getattr(error, "local", False))
         return f"error: {rank}{last_line(error)}" if shown else None, 2
+{%- if cookiecutter.memory_report %}
     if isinstance(error, MemoryError) or HOST_ALLOCATION_FAILED in str(error):  # host memory: data, batch or model
         return (
             f"error: {rank}out of host memory; use smaller data, batches (train.batch_size) or model, fewer "
             "DataLoader workers, or a machine with more memory"
         ), 1
+{%- endif %}
     if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C (the first asks for a stop with a checkpoint)
         line = "error: stopped at once by a second Ctrl-C; run the same command to continue from the last checkpoint"
         return line if is_main() else None, 130  # as a shell reports a process ended by SIGINT

@@ -1,5 +1,6 @@
 """The memory report (a part): every rank's memory each epoch, the imbalance warning, the
-GPU processes section, and figures that stay flat over the epochs."""
+GPU processes section, figures that stay flat over the epochs, and the line that ends a
+run out of host memory."""
 
 import os
 import shlex
@@ -11,6 +12,7 @@ import pytest
 import torch
 
 from conftest import FAST, clean_env, machinery_project, read_metrics, run_script
+from engine.logs import report_errors
 from engine.parts.memory import (
     SKIPPED,
     GpuUsage,
@@ -205,3 +207,18 @@ def test_without_proc_the_report_says_what_it_cannot_read(tmp_path):
     assert "not read here: rss_mib (no /proc/self/statm)" in result.stdout
     (row,) = read_metrics(out)
     assert "rss_mib" not in row["memory"][0] and row["memory"][0]["rss_peak_mib"] > 0
+
+
+@pytest.mark.parametrize("what", ["MemoryError", "torch's allocator"])
+def test_out_of_memory_is_one_line(capsys, what):
+    @report_errors
+    def main():
+        if what == "MemoryError":
+            raise MemoryError
+        torch.empty(2**62, dtype=torch.uint8)  # RuntimeError: DefaultCPUAllocator: can't allocate memory
+
+    with pytest.raises(SystemExit) as stopped:
+        main()
+    assert stopped.value.code == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: out of host memory; use smaller data") and err.count("\n") == 1, err

@@ -7,13 +7,11 @@ import os
 import subprocess
 
 import pytest
-import torch
 
 from conftest import FAST, finish, read_metrics, run_script, start_script, wait_for_line
 from engine.errors import UsageError
 from engine.files import append_json_line
 from engine.lifecycle import RunLock
-from engine.logs import report_errors
 
 TWO_EPOCHS = [*FAST, "data.train_size=256", "train.epochs=2"]
 
@@ -135,18 +133,3 @@ def test_a_full_disk_at_start_names_the_file_it_could_not_write(small_disk):
     result = run_script("train.py", [*FAST, f"output_dir={out}"], nproc=2, check=False)
     assert one_error_line(result).startswith(f"error: cannot write '{out / 'config.yaml'}': No space left on device")
     assert not (out / "run.lock").exists()  # released: the same command works once there is room
-
-
-@pytest.mark.parametrize("what", ["MemoryError", "torch's allocator"])
-def test_out_of_memory_is_one_line(capsys, what):
-    @report_errors
-    def main():
-        if what == "MemoryError":
-            raise MemoryError
-        torch.empty(2**62, dtype=torch.uint8)  # RuntimeError: DefaultCPUAllocator: can't allocate memory
-
-    with pytest.raises(SystemExit) as stopped:
-        main()
-    assert stopped.value.code == 1
-    err = capsys.readouterr().err
-    assert err.startswith("error: out of host memory; use smaller data") and err.count("\n") == 1, err

@@ -136,7 +136,7 @@ def test_the_bake_without_parts_differs_from_the_default_bake_only_where_a_no_re
     """What lets the bake without parts skip some parts of its suite: every Python file both
     bakes have, but the task's own and those a "no" cuts (PART_CODE, whose tests it runs),
     is the same code in both (docstrings and help texts aside), and the tests' conftest
-    differs only by lines naming a part's settings."""
+    differs only by lines naming a part's settings or files."""
     default, without = bake(tmp_path / "default"), bake(tmp_path / "without", **BAKES["without parts"])
     task_files = {
         *("model.py", "data.py", "synthetic_data.py"),
@@ -150,8 +150,11 @@ def test_the_bake_without_parts_differs_from_the_default_bake_only_where_a_no_re
     assert {name.removeprefix("tests/") for name in PART_CODE if name.startswith("tests/test_")} <= lean_runs
     old, new = ((project / "tests" / "conftest.py").read_text().splitlines() for project in (default, without))
     removed = [line for line in old if line not in new]
-    assert [line for line in new if line not in old] == [] and removed == [
-        '    "tracking.tensorboard=false",  # the tests that read the curves turn it on'
+    entry_points = '    for name in ("evaluate.py", "export.py", "predict.py"{}):'
+    assert [line for line in new if line not in old] == [entry_points.format("")]
+    assert removed == [
+        '    "tracking.tensorboard=false",  # the tests that read the curves turn it on',
+        entry_points.format(', "sweep.py"'),
     ]
 
 

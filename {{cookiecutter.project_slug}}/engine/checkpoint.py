@@ -26,11 +26,12 @@ from engine.logs import log
 {% if cookiecutter.fsdp %}from engine.parts import modules
 {% endif %}from engine.seeding import capture_rng_state, restore_rng_state
 
-STEP_FILE = re.compile(r"^step-(\d+)(?:\.(\d+))?\.(pt|dcp)$")  # step-00001234.pt, .dcp, a folder saved again: .1.dcp
-PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")  # added by DDP and torch.compile wrappers
+{% if cookiecutter.fsdp %}STEP_FILE = re.compile(r"^step-(\d+)(?:\.(\d+))?\.(pt|dcp)$")  # step-00001234.pt, .dcp, a folder saved again: .1.dcp
+{% else %}STEP_FILE = re.compile(r"^step-(\d+)\.pt$")  # step-00001234.pt
+{% endif %}PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")  # added by DDP and torch.compile wrappers
 CHECKPOINT_FORMAT = 2  # raised on a change of contents, so older engines refuse it (2: optim, "states", "weight_sets")
 SHAPE = ("batch_size", "accum_steps")  # train's keys that, with the world size, decide the data's order
-RUN_STATE_TYPES = dict(  # what every checkpoint holds (and "model")
+RUN_STATE_TYPES = dict(  # what every checkpoint holds besides its tensors ("optimizer", "model")
     step=int, epoch=int, batches_done=int, config=dict, world_size=int, rng=list, scheduler=dict, scaler=dict
 )
 LEGACY_HEAD = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[:-1]  # torch.save's files before zip
@@ -84,19 +85,26 @@ def checkpoint_dir(output_dir: str | Path) -> Path:
 
 
 def save_checkpoint(state: dict, directory: Path, step: int, keep_last: int, is_best: bool) -> Path:
-    """Write step-<step>.pt, then point last.pt (and best.pt) at it. Rank 0 only."""
+    """Write step-<step>.pt, point last.pt (and best.pt) at it, prune; or one line. Rank 0 only."""
     path = directory / f"step-{step:08d}.pt"
+{%- if cookiecutter.fsdp %}
     return publish(path, lambda: atomic_write(directory, path.name, lambda f: torch.save(state, f)), keep_last, is_best)
 
 
 def publish(path: Path, write, keep_last: int, is_best: bool) -> Path:
-    """`write()` the checkpoint `path`, point last.pt (and best.pt) at it, prune; or one line."""
+    """`write()` the checkpoint `path` (a file or a folder), point last.pt (and best.pt) at it, prune; or one line."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write()
+{%- else %}
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        atomic_write(directory, path.name, lambda f: torch.save(state, f))
+{%- endif %}
         for link in ["last.pt", "best.pt"][: 1 + is_best]:
             tmp = path.with_name(f".{link}.link.tmp")
             tmp.unlink(missing_ok=True)
+{%- if cookiecutter.fsdp %}
             if path.is_dir():
                 os.symlink(path.name, tmp)  # relative: the checkpoints folder may be moved or mounted elsewhere
             else:
@@ -104,6 +112,12 @@ def publish(path: Path, write, keep_last: int, is_best: bool) -> Path:
                     os.link(path, tmp)
                 except OSError:  # file systems without hard links
                     shutil.copyfile(path, tmp)
+{%- else %}
+            try:
+                os.link(path, tmp)
+            except OSError:  # file systems without hard links
+                shutil.copyfile(path, tmp)
+{%- endif %}
             os.replace(tmp, path.with_name(link))
             fsync_dir(path.parent)
         prune(path.parent, keep_last)
@@ -115,16 +129,23 @@ def publish(path: Path, write, keep_last: int, is_best: bool) -> Path:
 
 def step_checkpoints(directory: Path) -> list[Path]:
     found = [p for p in directory.iterdir() if STEP_FILE.match(p.name)] if directory.is_dir() else []
-    return sorted(found, key=step_and_revision)
+    return sorted(found, key={{ "step_and_revision" if cookiecutter.fsdp else "step_of" }})
+
+
+def step_of(path: Path) -> int:
+    return int(STEP_FILE.match(path.name)[1])
+{%- if cookiecutter.fsdp %}
 
 
 def step_and_revision(path: Path) -> tuple[int, int]:
-    step, revision, _ = STEP_FILE.match(path.name).groups()
-    return int(step), int(revision or 0)
+    """A folder saved again at its step (step-*.1.dcp) sorts after the first."""
+    return step_of(path), int(STEP_FILE.match(path.name)[2] or 0)
+{%- endif %}
 
 
 def prune(directory: Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` step checkpoints (and linked folders); remove '.*.tmp' leftovers."""
+    """Keep the newest `keep_last` step checkpoints{{ " (and linked folders)" if cookiecutter.fsdp }}; remove '.*.tmp' leftovers."""
+{%- if cookiecutter.fsdp %}
     linked = {os.readlink(link) for link in (directory / "last.pt", directory / "best.pt") if link.is_symlink()}
     for old in step_checkpoints(directory)[:-keep_last]:
         if old.name not in linked:
@@ -140,6 +161,10 @@ def remove(path: Path) -> None:
     else:
         doomed = path if path.name.endswith(".tmp") else path.rename(path.with_name(f".{path.name}.del.tmp"))
         shutil.rmtree(doomed, ignore_errors=True)
+{%- else %}
+    for old in [*step_checkpoints(directory)[:-keep_last], *directory.glob(".*.tmp")]:
+        old.unlink(missing_ok=True)
+{%- endif %}
 
 
 def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
@@ -422,8 +447,7 @@ class Checkpointer:
         steps = step_checkpoints(self.directory)
         if not steps:
             return "no checkpoint was saved before it"
-        step = step_and_revision(steps[-1])[0]
-        return f"the last good checkpoint is {self.directory / 'last.pt'} (step {step}), kept"
+        return f"the last good checkpoint is {self.directory / 'last.pt'} (step {step_of(steps[-1])}), kept"
 
     def check_best_metric(self, val_metrics: dict) -> None:
         name = self.cfg.checkpoint.best_metric
@@ -518,13 +542,18 @@ def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
         return path, load_checkpoint(path, tensors=False)
     directory = checkpoint_dir(cfg.output_dir)
     last = directory / "last.pt"
+{%- if cookiecutter.fsdp %}
     target = os.readlink(last) if last.is_symlink() else None  # train.py links only to a step-*.dcp folder beside it
     if target is not None and not (STEP_FILE.match(target) and target.endswith(".dcp")):
         raise CheckpointError(
             f"checkpoint {str(last)!r} links to {target!r}, not to a step-*.dcp folder beside it; {CONTINUE_HOW}"
         )
+{%- else %}
+    if last.is_symlink():  # a link may lead to another run's checkpoint, older than the step files beside it
+        raise CheckpointError(f"checkpoint {str(last)!r} is a link, but train.py writes it as a file; {CONTINUE_HOW}")
+{%- endif %}
     steps = [p for p in reversed(step_checkpoints(directory)) if not (last.exists() and os.path.samefile(p, last))]
-    candidates = ([last] if os.path.lexists(last) else []) + steps  # a broken link is there: said, not skipped
+    candidates = ([last] if os.path.lexists(last) else []) + steps{{ "  # a broken link is there: said, not skipped" if cookiecutter.fsdp }}
     for path in candidates:
         try:
             ckpt = load_checkpoint(path, tensors=False)
@@ -532,7 +561,7 @@ def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
             if is_main():
                 log(f"warning: {getattr(error, 'problem', error)}; trying an older checkpoint")
             continue
-        newer = [step for step in steps if step_and_revision(step)[0] > ckpt["step"]] if path == last else []
+        newer = [step for step in steps if step_of(step) > ckpt["step"]] if path == last else []
         if newer:
             problem = f"checkpoint {str(last)!r} is step {ckpt['step']}, but {newer[0].name} beside it is newer"
             raise CheckpointError(f"{problem}; {CONTINUE_HOW}")

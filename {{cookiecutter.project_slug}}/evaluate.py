@@ -52,9 +52,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 @report_errors
 def main(argv=None) -> None:
     args = parse_args(argv)
+{%- if cookiecutter.fsdp %}
     # Settings and position only: the weights are read below, and never the optimizer state
     # of a checkpoint folder.
-    ckpt = load_checkpoint(args.checkpoint, tensors=False)
+{%- endif %}
+    ckpt = load_checkpoint(args.checkpoint{{ ", tensors=False" if cookiecutter.fsdp }})
     sections = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig}
     cfg = load_config(args.config, args.overrides, base=ckpt.get("config"), **sections)
     env, device = init_distributed_mode(cfg.dist)

@@ -167,7 +167,7 @@ def remove(path: Path) -> None:
 {%- endif %}
 
 
-def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
+def load_checkpoint(path: str | Path{{ ", tensors: bool = True" if cookiecutter.fsdp }}) -> dict:
     """A checkpoint of this project on the CPU, anything else refused in one line{{ " (a folder's tensors\n    only with `tensors`: else load_weights reads them shard by shard)" if cookiecutter.fsdp }}."""
     path = Path(path)
     if path.is_dir():
@@ -181,11 +181,11 @@ def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
         )
 {%- endif %}
     state = load_plain(path)
-    check_contents(path, state, tensors_inside=True)
+    check_contents(path, state)
     return state
 
 
-def check_contents(path: Path, state: dict, tensors_inside: bool) -> None:
+def check_contents(path: Path, state: dict) -> None:
     """Its format, keys and types, before anything uses it."""
     version = state.get("format_version", 1)
     if type(version) is not int or version < 1:
@@ -196,18 +196,24 @@ def check_contents(path: Path, state: dict, tensors_inside: bool) -> None:
             f"this one reads up to {CHECKPOINT_FORMAT})",
             "use that version",
         )
-    for key, kind in {**RUN_STATE_TYPES, **({"optimizer": dict, "model": dict} if tensors_inside else {})}.items():
+    for key, kind in {**RUN_STATE_TYPES, "optimizer": dict, "model": dict}.items():
         if key not in state:
             raise not_ours(path, f"no {key!r}")
-        if key != "model" and (not isinstance(state[key], kind) or isinstance(state[key], bool)):  # model: below
+        if not isinstance(state[key], kind) or isinstance(state[key], bool):
             raise not_ours(path, f"{key!r} is {a(type(state[key]))}, not {a(kind)}")
-    for key in {{ 'weight_sets(state)' if cookiecutter.ema else '["model"]' }} if tensors_inside else []:
+{%- if cookiecutter.ema %}
+    for key in weight_sets(state):  # a part's set is missing when that part was off
         weights = state.get(key, {})
         if not isinstance(weights, dict):
-            raise not_ours(path, f"{key!r} is {a(type(weights))}, not a dict of tensors")
+            raise not_ours(path, f"{key!r} is {a(type(weights))}, not a dict")
         for name, value in weights.items():
             if not isinstance(value, torch.Tensor):
                 raise not_ours(path, f"{key!r} holds {name!r}: {a(type(value))}, not a tensor")
+{%- else %}
+    for name, value in state["model"].items():
+        if not isinstance(value, torch.Tensor):
+            raise not_ours(path, f"'model' holds {name!r}: {a(type(value))}, not a tensor")
+{%- endif %}
 {%- if cookiecutter.ema %}
 
 
@@ -345,7 +351,7 @@ def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) ->
 
 
 def load_weights(model: torch.nn.Module, path: Path, ckpt: dict{{ ", optimizer=None" if cookiecutter.fsdp }}{{ ', part: str = "model"' if cookiecutter.ema or cookiecutter.fsdp }}) -> None:
-    """A checkpoint's model weights (`ckpt`: load_checkpoint(path, tensors=False)){{ '; part="ema": that set' if cookiecutter.ema }}.{% if cookiecutter.fsdp %}
+    """A checkpoint's model weights (`ckpt`: load_checkpoint(path{{ ", tensors=False" if cookiecutter.fsdp }})){{ '; part="ema": that set' if cookiecutter.ema }}.{% if cookiecutter.fsdp %}
     A folder's tensors (and `optimizer` state) each rank reads shard by shard: every rank must call this.{% endif %}"""
 {%- if cookiecutter.ema %}
     if not has_part(path, ckpt, part):
@@ -481,7 +487,7 @@ class Checkpointer:
             init_from = self.cfg.checkpoint.init_from
             if init_from:
                 with stop_all_if_any_fails(self.device):  # unreadable on some node: every rank stops
-                    ckpt = load_checkpoint(init_from, tensors=False)
+                    ckpt = load_checkpoint(init_from{{ ", tensors=False" if cookiecutter.fsdp }})
                 load_weights(state.model, Path(init_from), ckpt)
 {%- if cookiecutter.ema %}
                 for part in state.parts:
@@ -539,7 +545,7 @@ def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
         return None
     if cfg.checkpoint.resume != "auto":
         path = Path(cfg.checkpoint.resume)
-        return path, load_checkpoint(path, tensors=False)
+        return path, load_checkpoint(path{{ ", tensors=False" if cookiecutter.fsdp }})
     directory = checkpoint_dir(cfg.output_dir)
     last = directory / "last.pt"
 {%- if cookiecutter.fsdp %}
@@ -556,7 +562,7 @@ def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
     candidates = ([last] if os.path.lexists(last) else []) + steps{{ "  # a broken link is there: said, not skipped" if cookiecutter.fsdp }}
     for path in candidates:
         try:
-            ckpt = load_checkpoint(path, tensors=False)
+            ckpt = load_checkpoint(path{{ ", tensors=False" if cookiecutter.fsdp }})
         except CheckpointError as error:
             if is_main():
                 log(f"warning: {getattr(error, 'problem', error)}; trying an older checkpoint")

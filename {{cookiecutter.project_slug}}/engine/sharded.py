@@ -200,7 +200,8 @@ def read_checkpoint(path: Path, tensors: bool) -> dict:
     if not (path / RUN_STATE).is_file():
         raise UnusableCheckpoint(f"checkpoint {str(path)!r} is incomplete: it has no {RUN_STATE}")
     state = checkpoint.load_plain(path / RUN_STATE)
-    checkpoint.check_contents(path, state, tensors_inside=False)
+    in_shards = {"model": {}, "optimizer": {}}  # their tensors, checked against .metadata below
+    checkpoint.check_contents(path, in_shards | state)
     weights = {key: value for key, value in metadata.state_dict_metadata.items() if key.startswith("model.")}
     if not weights:
         raise not_ours(path, "no 'model' in its .metadata")

@@ -282,7 +282,7 @@ def other_formats(tmp_path) -> dict:
         "no_step": ({k: v for k, v in good.items() if k != "step"}, f"{NOT_OURS} (no 'step')"),
         "model_tensor": (
             {**good, "model": torch.ones(3)},
-            f"{NOT_OURS} ('model' is a Tensor, not a dict of tensors)",
+            f"{NOT_OURS} ('model' is a Tensor, not a dict)",
         ),
         "model_lists": (
             {**good, "model": {"net.0.weight": [1.0, 2.0]}},
@@ -304,7 +304,7 @@ def other_formats(tmp_path) -> dict:
 
 def test_one_validation_refuses_other_formats_in_one_line(tmp_path):
     for path, reason in other_formats(tmp_path).values():
-        for load in (load_checkpoint, lambda p: load_checkpoint(p, tensors=False), load_model_state):
+        for load in (load_checkpoint, {{ "lambda p: load_checkpoint(p, tensors=False), " if cookiecutter.fsdp }}load_model_state):
             with pytest.raises(CheckpointError) as caught:
                 load(path)
             assert str(caught.value).startswith(f"checkpoint '{path}' {reason}"), str(caught.value)

@@ -4,6 +4,7 @@ shards, resharded on load. DCP's reader unpickles freely; `SafeReader` runs no c
 import errno
 import io
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -43,13 +44,15 @@ METADATA_GLOBALS = {  # everything a `.metadata` file of DCP's file system write
 }
 
 
-class MetadataUnpickler(checkpoint.PlainUnpickler):
-    ALLOWED = METADATA_GLOBALS
+class MetadataUnpickler(pickle.Unpickler):
+    """Builds plain data, torch's constants and METADATA_GLOBALS only."""
 
     def find_class(self, module: str, name: str):
         constant = vars(torch).get(name) if module == "torch" else None
         if isinstance(constant, torch.dtype | torch.layout | torch.memory_format):
             return constant
+        if f"{module}.{name}" not in METADATA_GLOBALS:
+            raise checkpoint.RefusedGlobal(f"{module}.{name}")
         return super().find_class(module, name)
 
 

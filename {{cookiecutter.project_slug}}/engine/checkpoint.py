@@ -16,8 +16,8 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
+{% if cookiecutter.fsdp %}from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+{% endif %}
 from engine.config import Config, TrainConfig, effective_batch, field_default, plain
 from engine.distributed import DistEnv, all_gather_objects, gather_objects_on_main, is_main, stop_all_if_any_fails
 from engine.errors import CheckpointError, UsageError
@@ -343,10 +343,15 @@ def strip_prefixes(state_dict: dict) -> dict:
 def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) -> None:
     weights = strip_prefixes(state_dict)
     check_shapes(model, weights, source)
-    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+{%- if cookiecutter.fsdp %}
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))  # a sharded model's too
+{%- else %}
+    model.load_state_dict(weights)
+{%- endif %}
+{%- if cookiecutter.ema or cookiecutter.fsdp %}
 
 
-def load_weights(model: torch.nn.Module, path: Path, ckpt: dict{{ ", optimizer=None" if cookiecutter.fsdp }}{{ ', part: str = "model"' if cookiecutter.ema or cookiecutter.fsdp }}) -> None:
+def load_weights(model: torch.nn.Module, path: Path, ckpt: dict{{ ", optimizer=None" if cookiecutter.fsdp }}, part: str = "model") -> None:
     """A checkpoint's model weights (`ckpt`: load_checkpoint(path{{ ", tensors=False" if cookiecutter.fsdp }})){{ '; part="ema": that set' if cookiecutter.ema }}.{% if cookiecutter.fsdp %}
     A folder's tensors (and `optimizer` state) each rank reads shard by shard: every rank must call this.{% endif %}"""
 {%- if cookiecutter.ema %}
@@ -357,7 +362,8 @@ def load_weights(model: torch.nn.Module, path: Path, ckpt: dict{{ ", optimizer=N
     if part not in ckpt:
         return folders().load_sharded(model, path, optimizer, part)
 {%- endif %}
-    load_model_weights(model, ckpt[{{ "part" if cookiecutter.ema or cookiecutter.fsdp else '"model"' }}], str(path))
+    load_model_weights(model, ckpt[part], str(path))
+{%- endif %}
 {%- if cookiecutter.ema %}
 
 
@@ -484,7 +490,11 @@ class Checkpointer:
             if init_from:
                 with stop_all_if_any_fails(self.device):  # unreadable on some node: every rank stops
                     ckpt = load_checkpoint(init_from{{ ", tensors=False" if cookiecutter.fsdp }})
+{%- if cookiecutter.ema or cookiecutter.fsdp %}
                 load_weights(state.model, Path(init_from), ckpt)
+{%- else %}
+                load_model_weights(state.model, ckpt["model"], init_from)
+{%- endif %}
 {%- if cookiecutter.ema %}
                 for part in state.parts:
                     part.reset_weights()  # e.g. an average of the weights fine-tuning starts from
@@ -500,7 +510,11 @@ class Checkpointer:
         for part in state.parts:
             part.before_load(state, trained_epoch)
 {%- endif %}
+{%- if cookiecutter.ema or cookiecutter.fsdp %}
         load_weights(state.model, path, ckpt{{ ', state.optimizer' if cookiecutter.fsdp }})
+{%- else %}
+        load_model_weights(state.model, ckpt["model"], str(path))
+{%- endif %}
 {%- if cookiecutter.ema %}
         for part in state.parts:
             if part.holds_weights:

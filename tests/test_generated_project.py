@@ -76,6 +76,7 @@ WITHOUT_PARTS_RUNS = ("faults", "task and exactness", "training and launch", "me
 PART_CODE = {
     "train.py",
     "evaluate.py",
+    "predict.py",  # how much of a checkpoint folder it reads (fsdp)
     "recipe.py",
     *(f"engine/{name}.py" for name in ("checkpoint", "config", "distributed", "loader", "logs", "metrics")),
     *(f"engine/{name}.py" for name in ("parallel", "training", "parts/__init__")),

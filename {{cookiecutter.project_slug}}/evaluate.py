@@ -11,13 +11,13 @@ given; key=value overrides apply on top (e.g. train.num_workers=0).
 import argparse
 import json
 from functools import partial
-from pathlib import Path
-
+{% if cookiecutter.ema or cookiecutter.fsdp %}from pathlib import Path
+{% endif %}
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import data
 from data import DataConfig, build_datasets, prepare_data
-from engine.checkpoint import load_checkpoint, load_weights
+from engine.checkpoint import load_checkpoint, {{ "load_weights" if cookiecutter.ema or cookiecutter.fsdp else "load_model_weights" }}
 from engine.config import load_config
 from engine.distributed import (
     cleanup_distributed,
@@ -52,9 +52,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 @report_errors
 def main(argv=None) -> None:
     args = parse_args(argv)
+{%- if cookiecutter.fsdp %}
     # Settings and position only: the weights are read below, and never the optimizer state
     # of a checkpoint folder.
-    ckpt = load_checkpoint(args.checkpoint, tensors=False)
+{%- endif %}
+    ckpt = load_checkpoint(args.checkpoint{{ ", tensors=False" if cookiecutter.fsdp }})
     sections = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig}
     cfg = load_config(args.config, args.overrides, base=ckpt.get("config"), **sections)
     env, device = init_distributed_mode(cfg.dist)
@@ -74,7 +76,11 @@ def main(argv=None) -> None:
 {%- else %}
         model = build_model(cfg).to(device)
 {%- endif %}
+{%- if cookiecutter.ema or cookiecutter.fsdp %}
         load_weights(model, Path(args.checkpoint), ckpt{{ ', part=args.weights' if cookiecutter.ema }})
+{%- else %}
+        load_model_weights(model, ckpt["model"], args.checkpoint)
+{%- endif %}
         # Its workers end with the `with`, before the process group does.
         hooks = {"collate_fn": getattr(data, "collate_fn", None), "worker_init_fn": leave_stop_signals_to_the_rank}
         with build_val_loader(val_set, cfg, env, device, **hooks) as val_loader:

@@ -77,7 +77,7 @@ def main(argv=None) -> None:
         raise already_exists(out)
     build_predict_set, predict_step = task_hooks()
     sections = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig}
-    ckpt = None if is_export(source) else load_checkpoint(source, tensors=False)  # a file's weights too
+    ckpt = None if is_export(source) else load_checkpoint(source{{ ", tensors=False" if cookiecutter.fsdp }})  # a file's weights too
     base = ckpt.get("config") if ckpt else None
     cfg = load_config(args.config or saved_settings(source), args.overrides, base=base, **sections)
     env, device = init_distributed_mode(cfg.dist)

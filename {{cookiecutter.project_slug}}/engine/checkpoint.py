@@ -16,8 +16,8 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
-from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
+{% if cookiecutter.fsdp %}from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+{% endif %}
 from engine.config import Config, TrainConfig, effective_batch, field_default, plain
 from engine.distributed import DistEnv, all_gather_objects, gather_objects_on_main, is_main, stop_all_if_any_fails
 from engine.errors import CheckpointError, UsageError
@@ -26,11 +26,12 @@ from engine.logs import log
 {% if cookiecutter.fsdp %}from engine.parts import modules
 {% endif %}from engine.seeding import capture_rng_state, restore_rng_state
 
-STEP_FILE = re.compile(r"^step-(\d+)(?:\.(\d+))?\.(pt|dcp)$")  # step-00001234.pt, .dcp, a folder saved again: .1.dcp
-PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")  # added by DDP and torch.compile wrappers
+{% if cookiecutter.fsdp %}STEP_FILE = re.compile(r"^step-(\d+)(?:\.(\d+))?\.(pt|dcp)$")  # step-00001234.pt, .dcp, a folder saved again: .1.dcp
+{% else %}STEP_FILE = re.compile(r"^step-(\d+)\.pt$")  # step-00001234.pt
+{% endif %}PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")  # added by DDP and torch.compile wrappers
 CHECKPOINT_FORMAT = 2  # raised on a change of contents, so older engines refuse it (2: optim, "states", "weight_sets")
 SHAPE = ("batch_size", "accum_steps")  # train's keys that, with the world size, decide the data's order
-RUN_STATE_TYPES = dict(  # what every checkpoint holds (and "model")
+RUN_STATE_TYPES = dict(  # what every checkpoint holds besides its tensors ("optimizer", "model")
     step=int, epoch=int, batches_done=int, config=dict, world_size=int, rng=list, scheduler=dict, scaler=dict
 )
 LEGACY_HEAD = pickle.dumps(torch.serialization.MAGIC_NUMBER, protocol=2)[:-1]  # torch.save's files before zip
@@ -84,19 +85,26 @@ def checkpoint_dir(output_dir: str | Path) -> Path:
 
 
 def save_checkpoint(state: dict, directory: Path, step: int, keep_last: int, is_best: bool) -> Path:
-    """Write step-<step>.pt, then point last.pt (and best.pt) at it. Rank 0 only."""
+    """Write step-<step>.pt, point last.pt (and best.pt) at it, prune; or one line. Rank 0 only."""
     path = directory / f"step-{step:08d}.pt"
+{%- if cookiecutter.fsdp %}
     return publish(path, lambda: atomic_write(directory, path.name, lambda f: torch.save(state, f)), keep_last, is_best)
 
 
 def publish(path: Path, write, keep_last: int, is_best: bool) -> Path:
-    """`write()` the checkpoint `path`, point last.pt (and best.pt) at it, prune; or one line."""
+    """`write()` the checkpoint `path` (a file or a folder), point last.pt (and best.pt) at it, prune; or one line."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write()
+{%- else %}
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        atomic_write(directory, path.name, lambda f: torch.save(state, f))
+{%- endif %}
         for link in ["last.pt", "best.pt"][: 1 + is_best]:
             tmp = path.with_name(f".{link}.link.tmp")
             tmp.unlink(missing_ok=True)
+{%- if cookiecutter.fsdp %}
             if path.is_dir():
                 os.symlink(path.name, tmp)  # relative: the checkpoints folder may be moved or mounted elsewhere
             else:
@@ -104,6 +112,12 @@ def publish(path: Path, write, keep_last: int, is_best: bool) -> Path:
                     os.link(path, tmp)
                 except OSError:  # file systems without hard links
                     shutil.copyfile(path, tmp)
+{%- else %}
+            try:
+                os.link(path, tmp)
+            except OSError:  # file systems without hard links
+                shutil.copyfile(path, tmp)
+{%- endif %}
             os.replace(tmp, path.with_name(link))
             fsync_dir(path.parent)
         prune(path.parent, keep_last)
@@ -115,16 +129,23 @@ def publish(path: Path, write, keep_last: int, is_best: bool) -> Path:
 
 def step_checkpoints(directory: Path) -> list[Path]:
     found = [p for p in directory.iterdir() if STEP_FILE.match(p.name)] if directory.is_dir() else []
-    return sorted(found, key=step_and_revision)
+    return sorted(found, key={{ "step_and_revision" if cookiecutter.fsdp else "step_of" }})
+
+
+def step_of(path: Path) -> int:
+    return int(STEP_FILE.match(path.name)[1])
+{%- if cookiecutter.fsdp %}
 
 
 def step_and_revision(path: Path) -> tuple[int, int]:
-    step, revision, _ = STEP_FILE.match(path.name).groups()
-    return int(step), int(revision or 0)
+    """A folder saved again at its step (step-*.1.dcp) sorts after the first."""
+    return step_of(path), int(STEP_FILE.match(path.name)[2] or 0)
+{%- endif %}
 
 
 def prune(directory: Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` step checkpoints (and linked folders); remove '.*.tmp' leftovers."""
+    """Keep the newest `keep_last` step checkpoints{{ " (and linked folders)" if cookiecutter.fsdp }}; remove '.*.tmp' leftovers."""
+{%- if cookiecutter.fsdp %}
     linked = {os.readlink(link) for link in (directory / "last.pt", directory / "best.pt") if link.is_symlink()}
     for old in step_checkpoints(directory)[:-keep_last]:
         if old.name not in linked:
@@ -140,9 +161,13 @@ def remove(path: Path) -> None:
     else:
         doomed = path if path.name.endswith(".tmp") else path.rename(path.with_name(f".{path.name}.del.tmp"))
         shutil.rmtree(doomed, ignore_errors=True)
+{%- else %}
+    for old in [*step_checkpoints(directory)[:-keep_last], *directory.glob(".*.tmp")]:
+        old.unlink(missing_ok=True)
+{%- endif %}
 
 
-def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
+def load_checkpoint(path: str | Path{{ ", tensors: bool = True" if cookiecutter.fsdp }}) -> dict:
     """A checkpoint of this project on the CPU, anything else refused in one line{{ " (a folder's tensors\n    only with `tensors`: else load_weights reads them shard by shard)" if cookiecutter.fsdp }}."""
     path = Path(path)
     if path.is_dir():
@@ -156,11 +181,11 @@ def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
         )
 {%- endif %}
     state = load_plain(path)
-    check_contents(path, state, tensors_inside=True)
+    check_contents(path, state)
     return state
 
 
-def check_contents(path: Path, state: dict, tensors_inside: bool) -> None:
+def check_contents(path: Path, state: dict) -> None:
     """Its format, keys and types, before anything uses it."""
     version = state.get("format_version", 1)
     if type(version) is not int or version < 1:
@@ -171,18 +196,24 @@ def check_contents(path: Path, state: dict, tensors_inside: bool) -> None:
             f"this one reads up to {CHECKPOINT_FORMAT})",
             "use that version",
         )
-    for key, kind in {**RUN_STATE_TYPES, **({"optimizer": dict, "model": dict} if tensors_inside else {})}.items():
+    for key, kind in {**RUN_STATE_TYPES, "optimizer": dict, "model": dict}.items():
         if key not in state:
             raise not_ours(path, f"no {key!r}")
-        if key != "model" and (not isinstance(state[key], kind) or isinstance(state[key], bool)):  # model: below
+        if not isinstance(state[key], kind) or isinstance(state[key], bool):
             raise not_ours(path, f"{key!r} is {a(type(state[key]))}, not {a(kind)}")
-    for key in {{ 'weight_sets(state)' if cookiecutter.ema else '["model"]' }} if tensors_inside else []:
+{%- if cookiecutter.ema %}
+    for key in weight_sets(state):  # a part's set is missing when that part was off
         weights = state.get(key, {})
         if not isinstance(weights, dict):
-            raise not_ours(path, f"{key!r} is {a(type(weights))}, not a dict of tensors")
+            raise not_ours(path, f"{key!r} is {a(type(weights))}, not a dict")
         for name, value in weights.items():
             if not isinstance(value, torch.Tensor):
                 raise not_ours(path, f"{key!r} holds {name!r}: {a(type(value))}, not a tensor")
+{%- else %}
+    for name, value in state["model"].items():
+        if not isinstance(value, torch.Tensor):
+            raise not_ours(path, f"'model' holds {name!r}: {a(type(value))}, not a tensor")
+{%- endif %}
 {%- if cookiecutter.ema %}
 
 
@@ -268,18 +299,14 @@ def file_kind(path: Path) -> str:
 
 
 class RefusedGlobal(pickle.UnpicklingError):
-    """A pickle naming a global outside the allowed ones."""
+    """A pickle naming a function or class where plain data was expected (its args: the name)."""
 
 
 class PlainUnpickler(pickle.Unpickler):
-    """Builds plain data and the globals in ALLOWED only."""
-
-    ALLOWED: set[str] = set()
+    """Builds plain data only: the first function or class named stops it, refused by name."""
 
     def find_class(self, module: str, name: str):
-        if f"{module}.{name}" not in self.ALLOWED:
-            raise RefusedGlobal(f"{module}.{name}")
-        return super().find_class(module, name)
+        raise RefusedGlobal(f"{module}.{name}")
 
 
 def first_global(path: Path) -> str | None:
@@ -316,11 +343,16 @@ def strip_prefixes(state_dict: dict) -> dict:
 def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) -> None:
     weights = strip_prefixes(state_dict)
     check_shapes(model, weights, source)
-    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))
+{%- if cookiecutter.fsdp %}
+    set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))  # a sharded model's too
+{%- else %}
+    model.load_state_dict(weights)
+{%- endif %}
+{%- if cookiecutter.ema or cookiecutter.fsdp %}
 
 
-def load_weights(model: torch.nn.Module, path: Path, ckpt: dict{{ ", optimizer=None" if cookiecutter.fsdp }}{{ ', part: str = "model"' if cookiecutter.ema or cookiecutter.fsdp }}) -> None:
-    """A checkpoint's model weights (`ckpt`: load_checkpoint(path, tensors=False)){{ '; part="ema": that set' if cookiecutter.ema }}.{% if cookiecutter.fsdp %}
+def load_weights(model: torch.nn.Module, path: Path, ckpt: dict{{ ", optimizer=None" if cookiecutter.fsdp }}, part: str = "model") -> None:
+    """A checkpoint's model weights (`ckpt`: load_checkpoint(path{{ ", tensors=False" if cookiecutter.fsdp }})){{ '; part="ema": that set' if cookiecutter.ema }}.{% if cookiecutter.fsdp %}
     A folder's tensors (and `optimizer` state) each rank reads shard by shard: every rank must call this.{% endif %}"""
 {%- if cookiecutter.ema %}
     if not has_part(path, ckpt, part):
@@ -330,7 +362,8 @@ def load_weights(model: torch.nn.Module, path: Path, ckpt: dict{{ ", optimizer=N
     if part not in ckpt:
         return folders().load_sharded(model, path, optimizer, part)
 {%- endif %}
-    load_model_weights(model, ckpt[{{ "part" if cookiecutter.ema or cookiecutter.fsdp else '"model"' }}], str(path))
+    load_model_weights(model, ckpt[part], str(path))
+{%- endif %}
 {%- if cookiecutter.ema %}
 
 
@@ -422,8 +455,7 @@ class Checkpointer:
         steps = step_checkpoints(self.directory)
         if not steps:
             return "no checkpoint was saved before it"
-        step = step_and_revision(steps[-1])[0]
-        return f"the last good checkpoint is {self.directory / 'last.pt'} (step {step}), kept"
+        return f"the last good checkpoint is {self.directory / 'last.pt'} (step {step_of(steps[-1])}), kept"
 
     def check_best_metric(self, val_metrics: dict) -> None:
         name = self.cfg.checkpoint.best_metric
@@ -457,8 +489,12 @@ class Checkpointer:
             init_from = self.cfg.checkpoint.init_from
             if init_from:
                 with stop_all_if_any_fails(self.device):  # unreadable on some node: every rank stops
-                    ckpt = load_checkpoint(init_from, tensors=False)
+                    ckpt = load_checkpoint(init_from{{ ", tensors=False" if cookiecutter.fsdp }})
+{%- if cookiecutter.ema or cookiecutter.fsdp %}
                 load_weights(state.model, Path(init_from), ckpt)
+{%- else %}
+                load_model_weights(state.model, ckpt["model"], init_from)
+{%- endif %}
 {%- if cookiecutter.ema %}
                 for part in state.parts:
                     part.reset_weights()  # e.g. an average of the weights fine-tuning starts from
@@ -474,7 +510,11 @@ class Checkpointer:
         for part in state.parts:
             part.before_load(state, trained_epoch)
 {%- endif %}
+{%- if cookiecutter.ema or cookiecutter.fsdp %}
         load_weights(state.model, path, ckpt{{ ', state.optimizer' if cookiecutter.fsdp }})
+{%- else %}
+        load_model_weights(state.model, ckpt["model"], str(path))
+{%- endif %}
 {%- if cookiecutter.ema %}
         for part in state.parts:
             if part.holds_weights:
@@ -515,24 +555,29 @@ def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
         return None
     if cfg.checkpoint.resume != "auto":
         path = Path(cfg.checkpoint.resume)
-        return path, load_checkpoint(path, tensors=False)
+        return path, load_checkpoint(path{{ ", tensors=False" if cookiecutter.fsdp }})
     directory = checkpoint_dir(cfg.output_dir)
     last = directory / "last.pt"
+{%- if cookiecutter.fsdp %}
     target = os.readlink(last) if last.is_symlink() else None  # train.py links only to a step-*.dcp folder beside it
     if target is not None and not (STEP_FILE.match(target) and target.endswith(".dcp")):
         raise CheckpointError(
             f"checkpoint {str(last)!r} links to {target!r}, not to a step-*.dcp folder beside it; {CONTINUE_HOW}"
         )
+{%- else %}
+    if last.is_symlink():  # a link may lead to another run's checkpoint, older than the step files beside it
+        raise CheckpointError(f"checkpoint {str(last)!r} is a link, but train.py writes it as a file; {CONTINUE_HOW}")
+{%- endif %}
     steps = [p for p in reversed(step_checkpoints(directory)) if not (last.exists() and os.path.samefile(p, last))]
-    candidates = ([last] if os.path.lexists(last) else []) + steps  # a broken link is there: said, not skipped
+    candidates = ([last] if os.path.lexists(last) else []) + steps{{ "  # a broken link is there: said, not skipped" if cookiecutter.fsdp }}
     for path in candidates:
         try:
-            ckpt = load_checkpoint(path, tensors=False)
+            ckpt = load_checkpoint(path{{ ", tensors=False" if cookiecutter.fsdp }})
         except CheckpointError as error:
             if is_main():
                 log(f"warning: {getattr(error, 'problem', error)}; trying an older checkpoint")
             continue
-        newer = [step for step in steps if step_and_revision(step)[0] > ckpt["step"]] if path == last else []
+        newer = [step for step in steps if step_of(step) > ckpt["step"]] if path == last else []
         if newer:
             problem = f"checkpoint {str(last)!r} is step {ckpt['step']}, but {newer[0].name} beside it is newer"
             raise CheckpointError(f"{problem}; {CONTINUE_HOW}")

@@ -155,13 +155,7 @@ def check_at_most(key: str, value: float, limit: float) -> None:
 
 
 class ShortRepr(reprlib.Repr):
-    """A repr of bounded length and work: a YAML alias bomb of 300 bytes is 9**9 strings in full."""
-
-    def __init__(self):
-        super().__init__()
-        self.maxlevel = 3
-        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 4
-        self.maxstring = self.maxother = self.maxlong = 60
+    """A repr of bounded length and work (SHORT_REPR): a YAML alias bomb of 300 bytes is 9**9 strings in full."""
 
     def repr_int(self, value: int, level: int) -> str:
         if value.bit_length() > 1000:  # repr refuses integers of more than 4300 digits
@@ -169,9 +163,15 @@ class ShortRepr(reprlib.Repr):
         return super().repr_int(value, level)
 
 
+SHORT_REPR = ShortRepr()  # its limits: set here, as Python 3.10's Repr() takes none
+SHORT_REPR.maxlevel = 3
+SHORT_REPR.maxlist = SHORT_REPR.maxtuple = SHORT_REPR.maxdict = SHORT_REPR.maxset = SHORT_REPR.maxfrozenset = 4
+SHORT_REPR.maxstring = SHORT_REPR.maxother = SHORT_REPR.maxlong = 60
+
+
 def shown(value) -> str:
     """`value` as config errors show it: its repr, cut short."""
-    text = ShortRepr().repr(value)
+    text = SHORT_REPR.repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 
@@ -232,15 +232,21 @@ MOVED_KEYS = {
     "train.fsdp_cpu_offload": "fsdp.cpu_offload",
 {%- endif %}
 }
+{%- if cookiecutter.fsdp %}
 # Moved keys whose values changed too: how to write the new one.
-NEW_VALUES = {{ '{"train.strategy": "set fsdp.enabled=true for strategy fsdp, false for ddp"}' if cookiecutter.fsdp else '{}' }}
+NEW_VALUES = {"train.strategy": "set fsdp.enabled=true for strategy fsdp, false for ddp"}
+{%- endif %}
 
 
 def unknown_key_message(key: str, known: list[str]) -> str:
     """Where a moved key went, or the known key closest to the one typed: the one key of the
     same name in another section (model.lr: optim.lr), or one a typo or two away."""
     if key in MOVED_KEYS:
+{%- if cookiecutter.fsdp %}
         return f"config key {key!r} moved to {MOVED_KEYS[key]!r}; {NEW_VALUES.get(key, 'rename it')}"
+{%- else %}
+        return f"config key {key!r} moved to {MOVED_KEYS[key]!r}; rename it"
+{%- endif %}
     leaf = key.rsplit(".", 1)[-1]
     same_name = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
     close = same_name if len(same_name) == 1 else difflib.get_close_matches(key, known, n=1, cutoff=0.8)

@@ -4,6 +4,7 @@ shards, resharded on load. DCP's reader unpickles freely; `SafeReader` runs no c
 import errno
 import io
 import os
+import pickle
 import shutil
 from pathlib import Path
 
@@ -43,13 +44,15 @@ METADATA_GLOBALS = {  # everything a `.metadata` file of DCP's file system write
 }
 
 
-class MetadataUnpickler(checkpoint.PlainUnpickler):
-    ALLOWED = METADATA_GLOBALS
+class MetadataUnpickler(pickle.Unpickler):
+    """Builds plain data, torch's constants and METADATA_GLOBALS only."""
 
     def find_class(self, module: str, name: str):
         constant = vars(torch).get(name) if module == "torch" else None
         if isinstance(constant, torch.dtype | torch.layout | torch.memory_format):
             return constant
+        if f"{module}.{name}" not in METADATA_GLOBALS:
+            raise checkpoint.RefusedGlobal(f"{module}.{name}")
         return super().find_class(module, name)
 
 
@@ -200,7 +203,8 @@ def read_checkpoint(path: Path, tensors: bool) -> dict:
     if not (path / RUN_STATE).is_file():
         raise UnusableCheckpoint(f"checkpoint {str(path)!r} is incomplete: it has no {RUN_STATE}")
     state = checkpoint.load_plain(path / RUN_STATE)
-    checkpoint.check_contents(path, state, tensors_inside=False)
+    in_shards = {"model": {}, "optimizer": {}}  # their tensors, checked against .metadata below
+    checkpoint.check_contents(path, in_shards | state)
     weights = {key: value for key, value in metadata.state_dict_metadata.items() if key.startswith("model.")}
     if not weights:
         raise not_ours(path, "no 'model' in its .metadata")

@@ -211,7 +211,11 @@ def test_auto_resume_refuses_a_last_pt_that_links_elsewhere(tmp_path):
     result = run_script("train.py", [*args, "train.epochs=3"], check=False)
     assert result.returncode == 2 and "resumed from" not in result.stdout
     assert one_error_line(result) == (
+{%- if cookiecutter.fsdp %}
         f"error: checkpoint '{directory / 'last.pt'}' links to '{old}', not to a step-*.dcp folder beside it; "
+{%- else %}
+        f"error: checkpoint '{directory / 'last.pt'}' is a link, but train.py writes it as a file; "
+{%- endif %}
         "remove it to continue from the newest step checkpoint, or set checkpoint.resume=PATH"
     )
     assert {path.name: path.read_bytes() for path in step_checkpoints(directory)} == before
@@ -220,13 +224,17 @@ def test_auto_resume_refuses_a_last_pt_that_links_elsewhere(tmp_path):
 
 @pytest.mark.parametrize("target", ["step-00000008.pt", "../checkpoints/step-00000008.dcp", "elsewhere.dcp"])
 def test_auto_resume_refuses_links_train_py_never_makes(tmp_path, target):
-    """A .pt run's last.pt is a hard link; a sharded run's a relative link to a step-*.dcp
-    folder beside it. Any other link is refused, even one into the same folder."""
+    """A .pt run's last.pt is a hard link{{ "; a sharded run's a relative link to a step-*.dcp\n    folder beside it" if cookiecutter.fsdp }}. Any other link is refused, even one into the same folder."""
     directory = tmp_path / "checkpoints"
     save_steps(directory, [8, 16])
     (directory / "last.pt").unlink()
     (directory / "last.pt").symlink_to(target)
-    with pytest.raises(CheckpointError, match=r"links to '.*', not to a step-\*\.dcp folder beside it; remove it"):
+{%- if cookiecutter.fsdp %}
+    refused = r"links to '.*', not to a step-\*\.dcp folder beside it; remove it"
+{%- else %}
+    refused = r"is a link, but train.py writes it as a file; remove it"
+{%- endif %}
+    with pytest.raises(CheckpointError, match=refused):
         load_resume_checkpoint(run_dir_config(tmp_path))
 
 
@@ -274,7 +282,7 @@ def other_formats(tmp_path) -> dict:
         "no_step": ({k: v for k, v in good.items() if k != "step"}, f"{NOT_OURS} (no 'step')"),
         "model_tensor": (
             {**good, "model": torch.ones(3)},
-            f"{NOT_OURS} ('model' is a Tensor, not a dict of tensors)",
+            f"{NOT_OURS} ('model' is a Tensor, not a dict)",
         ),
         "model_lists": (
             {**good, "model": {"net.0.weight": [1.0, 2.0]}},
@@ -296,7 +304,7 @@ def other_formats(tmp_path) -> dict:
 
 def test_one_validation_refuses_other_formats_in_one_line(tmp_path):
     for path, reason in other_formats(tmp_path).values():
-        for load in (load_checkpoint, lambda p: load_checkpoint(p, tensors=False), load_model_state):
+        for load in (load_checkpoint, {{ "lambda p: load_checkpoint(p, tensors=False), " if cookiecutter.fsdp }}load_model_state):
             with pytest.raises(CheckpointError) as caught:
                 load(path)
             assert str(caught.value).startswith(f"checkpoint '{path}' {reason}"), str(caught.value)

@@ -66,7 +66,7 @@ def test_a_resumed_run_ends_with_the_same_average_and_reports_and_evaluates_it(t
     ema_losses = [row["ema_val_loss"] for row in rows]
     assert [row["ema_val_loss"] for row in read_metrics(split)] == ema_losses
     assert ema_losses != [row["val_loss"] for row in rows]
-    best = load_checkpoint(whole / "checkpoints" / "best.pt", tensors=False)
+    best = load_checkpoint(whole / "checkpoints" / "best.pt")
     assert best["step"] == rows[ema_losses.index(min(ema_losses))]["step"]  # best.pt by ema_val_loss
 
     # evaluate.py on another number of processes gives the training run's figures exactly.

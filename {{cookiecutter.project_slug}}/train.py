@@ -378,7 +378,9 @@ class Run:
                     continue  # accumulate gradients
                 lr = state.scheduler.get_last_lr()[0]  # this step's: optimizer_step moves the schedule on
                 optimizer_step(state, cfg.train)
+{%- if cookiecutter.throughput %}
                 self.stats.step_done()
+{%- endif %}
                 progress.update(state.step, losses["loss"], lr)
                 if self.stop.requested(state.step):  # a signal to any rank, or train.stop_at_step
                     return Outcome.STOPPED

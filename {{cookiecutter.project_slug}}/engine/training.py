@@ -4,12 +4,12 @@ steps since the last evaluation."""
 
 import contextlib
 {% if cookiecutter.memory_report %}import ctypes
-{% endif %}import itertools
-import math
+{% endif %}{% if cookiecutter.throughput %}import itertools
+{% endif %}import math
 {% if cookiecutter.memory_report %}import platform
 {% endif %}import re
-import statistics
-import time
+{% if cookiecutter.throughput %}import statistics
+{% endif %}import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -131,14 +131,11 @@ class LaggedValue:
             if copied is not None:
                 copied.synchronize()  # the copy of one interval ago: finished long since
             previous = host.item()
-        # Pinned memory: a copy from the GPU into pageable memory would wait for it.
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-        host.copy_(tensor, non_blocking=True)
-        copied = None
-        if tensor.is_cuda:
-            copied = torch.cuda.Event()
+        # From a GPU, a non-blocking copy lands in pinned memory: queued, never waited for.
+        copied = torch.cuda.Event() if tensor.is_cuda else None
+        self.pending = (tensor.to("cpu", non_blocking=True), copied)
+        if copied is not None:
             copied.record()
-        self.pending = (host, copied)
         return previous
 
 
@@ -415,7 +412,9 @@ class EpochStats:
         self.throughput.reset()
 {%- endif %}
         self.start = time.perf_counter()
+{%- if cookiecutter.throughput %}
         self.step_ends = [self.start]  # host clock at each optimizer step: no device sync needed
+{%- endif %}
 
     def add(self, losses: dict[str, torch.Tensor]{{ ', batch=None' if cookiecutter.throughput }}) -> None:
         for name, loss in losses.items():
@@ -426,10 +425,10 @@ class EpochStats:
         self.micro_batches += 1
 {%- if cookiecutter.throughput %}
         self.throughput.add(batch)
-{%- endif %}
 
     def step_done(self) -> None:
         self.step_ends.append(time.perf_counter())
+{%- endif %}
 
     def summary(self, batch_size: int) -> dict:
         """train_<name>: each loss's mean over every rank's samples, and the speed. Every rank calls this."""
@@ -440,18 +439,18 @@ class EpochStats:
 {%- if cookiecutter.throughput %}
         local = torch.stack([*sums, count, self.throughput.total_items()])
         *totals, micro_batches, items = all_reduce_sum(local).tolist()
+        step_times = [b - a for a, b in itertools.pairwise(self.step_ends)]
 {%- else %}
         *totals, micro_batches = all_reduce_sum(torch.stack([*sums, count])).tolist()
 {%- endif %}
-        step_times = [b - a for a, b in itertools.pairwise(self.step_ends)]
         return {
             # No micro-batches: the epoch was trained by the run before (then NaN).
             **{f"train_{name}": total / (micro_batches or math.nan) for name, total in zip(names, totals, strict=True)},
             "samples_per_s": micro_batches * batch_size / max(elapsed, 1e-9),
 {%- if cookiecutter.throughput %}
             **self.throughput.figures(items, self.micro_batches, elapsed),
-{%- endif %}
             "step_time_median_s": statistics.median(step_times) if step_times else 0.0,
+{%- endif %}
             "train_time_s": elapsed,
         }
 {%- if cookiecutter.memory_report %}

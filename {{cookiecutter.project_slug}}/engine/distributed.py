@@ -275,15 +275,11 @@ def is_main() -> bool:
     return get_rank() == 0
 
 
-def all_reduce_sum(tensor: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
-    """`tensor` summed (or reduced by `op`) over all processes, in place; every rank must call this."""
+def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+    """`tensor` summed ("max": its maximum) over all processes, in place; every rank must call this."""
     if get_world_size() > 1:
-        dist.all_reduce(tensor, op=op)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
     return tensor
-
-
-def all_reduce_max_(tensor: torch.Tensor) -> torch.Tensor:
-    return all_reduce_sum(tensor, dist.ReduceOp.MAX)
 
 
 def vote(values: list[float], op: str, group=None, device: torch.device | None = None) -> list[float]:

@@ -190,7 +190,7 @@ def sum_in_batch_order(sums: dict[str, Sum], plan, num_batches: int, device: tor
     table = torch.zeros(num_batches, sum(m.shape.numel() for m in sums.values()), dtype=torch.float64, device=device)
     for row, batch_id in enumerate(plan.mine(num_batches)):
         table[batch_id] = torch.cat([m.batch_totals[row].to(device) for m in sums.values()])
-    table = distributed.all_reduce_sum(table).cpu()  # one rank's value plus zeros: exact in any order
+    table = distributed.all_reduce(table).cpu()  # one rank's value plus zeros: exact in any order
     totals = torch.zeros(table.shape[1], dtype=torch.float64)
     for row in table:  # one add per batch, elementwise: the order is fixed whatever the threads
         totals += row

@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import (
 {% endif %}from torch.nn.parallel import DistributedDataParallel as DDP
 
 from engine.config import Config, TrainConfig
-from engine.distributed import all_reduce_max_, all_reduce_sum{{ ', is_main' if cookiecutter.ema }}
+from engine.distributed import all_reduce{{ ', is_main' if cookiecutter.ema }}
 from engine.errors import ConfigError, DivergedError, TaskError, UsageError
 from engine.parts import Part
 {% if cookiecutter.throughput %}from engine.throughput import Throughput
@@ -97,13 +97,13 @@ class NonFiniteGuard:
     def check_later(self) -> None:
         """Stop every rank if a step before the previous call was bad, without waiting for the
         device. Every rank calls this at the same steps."""
-        first_bad = self.first_bad_later.swap(all_reduce_max_(self.first_bad_step.clone()))
+        first_bad = self.first_bad_later.swap(all_reduce(self.first_bad_step.clone(), "max"))
         if first_bad is not None and first_bad >= 0:
             raise DivergedError(self.message(f"at step {first_bad}"))
 
     def check(self, scaler: torch.amp.GradScaler) -> None:
         """Stop every rank if a step was bad or fp16's scale collapsed; waits. Every rank calls this."""
-        first_bad = int(all_reduce_max_(self.first_bad_step.clone()))
+        first_bad = int(all_reduce(self.first_bad_step.clone(), "max"))
         if first_bad >= 0:
             raise DivergedError(self.message(f"at step {first_bad}"))
         if scaler.is_enabled() and scaler.get_scale() < MIN_FP16_SCALE:
@@ -438,10 +438,10 @@ class EpochStats:
         count = torch.tensor(float(self.micro_batches), dtype=torch.float64, device=sums[0].device)
 {%- if cookiecutter.throughput %}
         local = torch.stack([*sums, count, self.throughput.total_items()])
-        *totals, micro_batches, items = all_reduce_sum(local).tolist()
+        *totals, micro_batches, items = all_reduce(local).tolist()
         step_times = [b - a for a, b in itertools.pairwise(self.step_ends)]
 {%- else %}
-        *totals, micro_batches = all_reduce_sum(torch.stack([*sums, count])).tolist()
+        *totals, micro_batches = all_reduce(torch.stack([*sums, count])).tolist()
 {%- endif %}
         return {
             # No micro-batches: the epoch was trained by the run before (then NaN).

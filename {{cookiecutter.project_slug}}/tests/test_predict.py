@@ -369,6 +369,7 @@ def test_images_under_a_linked_folder_are_predicted_and_a_link_loop_is_listed_on
     assert inputs == sorted(str(path) for path in expected)
 
 
+@pytest.mark.slow  # a stop signal to real processes: the slow tier (pytest -m slow)
 @pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
 def test_a_stop_while_predicting_leaves_no_file_and_no_part(exported, photos, tmp_path, stop):
     """Ctrl-C or SIGTERM while the rank writes its part: the run stops, and its hidden

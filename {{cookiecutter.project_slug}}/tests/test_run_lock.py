@@ -43,6 +43,7 @@ def running(tmp_path_factory):
     kill_job(process)
 
 
+@pytest.mark.slow  # a 2-process run trains in the background meanwhile: the slow tier (pytest -m slow)
 @pytest.mark.parametrize(
     "nproc, torchrun_args",
     [(None, ()), (2, ()), (2, MYJOB)],

@@ -191,6 +191,7 @@ def test_steps_and_epochs_keys_check_their_values():
             reference_config(None, [key])
 
 
+@pytest.mark.slow  # an entry point under real torchrun: the slow tier (pytest -m slow)
 def test_a_stream_run_exits_clean_under_torchrun(stream_project, tmp_path):
     """Its DataLoader workers start anew each epoch, and a stop leaves them mid-epoch:
     they must end before the process group does."""

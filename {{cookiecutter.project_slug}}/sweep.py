@@ -84,7 +84,8 @@ def run_all(args: argparse.Namespace, runs: list[tuple[dict, Path]]) -> int:
     """Each run in turn, supervised (engine/supervisor.py): a stop signal stops the run in
     progress with its checkpoint, and no other starts. The sweep's exit code: 75 after a
     stop, 1 if a run failed, else 0."""
-    from engine.supervisor import STOPPED_EXIT_CODE, Supervisor  # it imports torch: only when runs start
+    from engine.lifecycle import STOPPED_EXIT_CODE  # they import torch: only when runs start
+    from engine.supervisor import Supervisor
 
     ended = {}
     with Supervisor() as supervisor:

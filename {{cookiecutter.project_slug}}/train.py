@@ -435,7 +435,7 @@ class Run:
         return Outcome.DONE if self.done() else Outcome.GO_ON
 
     def save_stopped(self) -> None:
-        """The stop's checkpoint, and the line that says how to continue{{ " (to a launcher's\n        summary too, instead of a failure)" if cookiecutter.launcher }}."""
+        """The stop's checkpoint, and the line that says how to continue."""
         started = time.monotonic()  # the save's time: what a stop needs before a time limit
         self.checkpointer.save(self.state)
         step = self.state.step
@@ -445,7 +445,7 @@ class Run:
         )
         self.log.log(stopped)
 {%- if cookiecutter.launcher %}
-        if self.stop.exit_code():
+        if self.stop.exit_code():  # to a launcher's summary too, instead of a failure
             hand_to_launcher(stopped, self.stop.exit_code())
 {%- endif %}
 

@@ -87,6 +87,7 @@ def checkpoint_dir(output_dir: str | Path) -> Path:
 def save_checkpoint(state: dict, directory: Path, step: int, keep_last: int, is_best: bool) -> Path:
     """Write step-<step>.pt, point last.pt (and best.pt) at it, prune; or one line. Rank 0 only."""
     path = directory / f"step-{step:08d}.pt"
+{#- With fsdp, publish() also links a folder; without, the file's own writing is here. #}
 {%- if cookiecutter.fsdp %}
     return publish(path, lambda: atomic_write(directory, path.name, lambda f: torch.save(state, f)), keep_last, is_best)
 
@@ -152,6 +153,12 @@ def prune(directory: Path, keep_last: int) -> None:
             remove(old)
     for stale in directory.glob(".*.tmp"):
         remove(stale)
+{%- else %}
+    for old in [*step_checkpoints(directory)[:-keep_last], *directory.glob(".*.tmp")]:
+        if not old.is_dir():  # a folder is none of this project's leftovers: left alone
+            old.unlink(missing_ok=True)
+{%- endif %}
+{%- if cookiecutter.fsdp %}
 
 
 def remove(path: Path) -> None:
@@ -161,9 +168,6 @@ def remove(path: Path) -> None:
     else:
         doomed = path if path.name.endswith(".tmp") else path.rename(path.with_name(f".{path.name}.del.tmp"))
         shutil.rmtree(doomed, ignore_errors=True)
-{%- else %}
-    for old in [*step_checkpoints(directory)[:-keep_last], *directory.glob(".*.tmp")]:
-        old.unlink(missing_ok=True)
 {%- endif %}
 
 

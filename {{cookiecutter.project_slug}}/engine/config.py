@@ -155,7 +155,13 @@ def check_at_most(key: str, value: float, limit: float) -> None:
 
 
 class ShortRepr(reprlib.Repr):
-    """A repr of bounded length and work (SHORT_REPR): a YAML alias bomb of 300 bytes is 9**9 strings in full."""
+    """A repr of bounded length and work: a YAML alias bomb of 300 bytes is 9**9 strings in full."""
+
+    def __init__(self):
+        super().__init__()
+        self.maxlevel = 3
+        self.maxlist = self.maxtuple = self.maxdict = self.maxset = self.maxfrozenset = 4
+        self.maxstring = self.maxother = self.maxlong = 60
 
     def repr_int(self, value: int, level: int) -> str:
         if value.bit_length() > 1000:  # repr refuses integers of more than 4300 digits
@@ -163,15 +169,9 @@ class ShortRepr(reprlib.Repr):
         return super().repr_int(value, level)
 
 
-SHORT_REPR = ShortRepr()  # its limits: set here, as Python 3.10's Repr() takes none
-SHORT_REPR.maxlevel = 3
-SHORT_REPR.maxlist = SHORT_REPR.maxtuple = SHORT_REPR.maxdict = SHORT_REPR.maxset = SHORT_REPR.maxfrozenset = 4
-SHORT_REPR.maxstring = SHORT_REPR.maxother = SHORT_REPR.maxlong = 60
-
-
 def shown(value) -> str:
     """`value` as config errors show it: its repr, cut short."""
-    text = SHORT_REPR.repr(value)
+    text = ShortRepr().repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
 
 

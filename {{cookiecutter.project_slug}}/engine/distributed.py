@@ -278,7 +278,7 @@ def is_main() -> bool:
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     """`tensor` summed ("max": its maximum) over all processes, in place; every rank must call this."""
     if get_world_size() > 1:
-        dist.all_reduce(tensor, op=dist.ReduceOp.MAX if op == "max" else dist.ReduceOp.SUM)
+        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
     return tensor
 
 

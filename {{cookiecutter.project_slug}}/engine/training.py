@@ -60,7 +60,7 @@ class NonFiniteGuard:
     intact, instead of saving non-finite weights as progress.
 
     Each step's gradient norm (the same on every rank: gradients are all-reduced first)
-    stays on the device, where the first bad step is kept (three small ops a step).
+    stays on the device, where the first bad step is kept (a few element-wise ops a step).
     `check_later` reads it one interval late, so nothing waits for the device;
     `check`, before every checkpoint, reads it at once. With fp16 the GradScaler skips bad
     steps itself: such a run diverged only when its scale collapsed.
@@ -92,7 +92,7 @@ class NonFiniteGuard:
     def keep(self, grad_norm: torch.Tensor, step: int) -> None:
         """`step` becomes the first bad step if its norm is not finite and none was before."""
         first = self.first_bad_step
-        self.first_bad_step = torch.where(torch.isfinite(grad_norm) | (first >= 0), first, step)
+        self.first_bad_step = torch.where(~torch.isfinite(grad_norm) & (first < 0), step, first)
 
     def check_later(self) -> None:
         """Stop every rank if a step before the previous call was bad, without waiting for the
@@ -133,7 +133,7 @@ class LaggedValue:
             previous = host.item()
         # From a GPU, a non-blocking copy lands in pinned memory: queued, never waited for.
         copied = torch.cuda.Event() if tensor.is_cuda else None
-        self.pending = (tensor.to("cpu", non_blocking=True), copied)
+        self.pending = (tensor.to("cpu", non_blocking=True, copy=True), copied)
         if copied is not None:
             copied.record()
         return previous

@@ -79,6 +79,16 @@ def test_keeps_the_newest_step_checkpoints_and_no_temporary_files(tmp_path):
     assert load_checkpoint(tmp_path / "last.pt")["step"] == 0
 
 
+def test_a_folder_named_like_a_leftover_never_stops_a_save(tmp_path):
+    """A '.*.tmp' folder in checkpoints/ (another tool's, or a deletion cut short) is no
+    file of a save: saving and pruning go on beside it."""
+    state, cfg = make_state()
+    (tmp_path / ".step-00000009.dcp.del.tmp").mkdir()
+    for step in range(1, 4):
+        save_checkpoint(payload(state, cfg), tmp_path, step=step, keep_last=1, is_best=False)
+    assert [p.name for p in step_checkpoints(tmp_path)] == ["step-00000003.pt"]
+
+
 def test_wrapper_prefixes_are_stripped():
     weights = {"module._orig_mod.net.1.linear.weight": 1, "net.3.bias": 2}
     assert strip_prefixes(weights) == {"net.1.linear.weight": 1, "net.3.bias": 2}

@@ -86,7 +86,7 @@ def test_the_check_at_log_intervals_never_waits_for_the_gpu(tmp_path):
     guard = NonFiniteGuard(cfg.train, lambda: "none saved", lr=0.1, device=gpu)
     torch.cuda.set_sync_debug_mode("error")  # any op that waits for the GPU raises
     try:
-        for step in range(1, 203):
+        for step in range(1, 203):  # the checks every 50 steps read step 5 at step 100
             guard.skip_step(torch.tensor(float("nan") if step == 5 else 1.0, device=gpu), step)
             if step % 50 == 0:
                 try:
@@ -99,7 +99,7 @@ def test_the_check_at_log_intervals_never_waits_for_the_gpu(tmp_path):
     pytest.fail("the non-finite step was never reported")
 
 
-RUN = range(1, 208)
+RUN = range(1, 208)  # a run of 207 steps: bad ones at its start, middle and end
 RESUMED = [*range(1, 30), *range(500, 540)]  # a gap in the steps the guard is given
 
 

@@ -3,11 +3,9 @@ in the run's precision, the optimizer step and its divergence guard, and the fig
 steps since the last evaluation."""
 
 import contextlib
-{% if cookiecutter.memory_report %}import ctypes
-{% endif %}{% if cookiecutter.throughput %}import itertools
+{% if cookiecutter.throughput %}import itertools
 {% endif %}import math
-{% if cookiecutter.memory_report %}import platform
-{% endif %}import re
+import re
 {% if cookiecutter.throughput %}import statistics
 {% endif %}import time
 from collections.abc import Callable
@@ -453,28 +451,3 @@ class EpochStats:
 {%- endif %}
             "train_time_s": elapsed,
         }
-{%- if cookiecutter.memory_report %}
-
-
-class MallInfo2(ctypes.Structure):
-    """glibc's struct mallinfo2 (glibc 2.33 and later), all fields size_t."""
-
-    names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
-    _fields_ = [(name, ctypes.c_size_t) for name in names.split()]
-
-
-def c_heap_mib() -> dict:
-    """The C heap in MiB (glibc 2.33's mallinfo2, else {}): handed out (`heap_used_mib`) and
-    free but kept (`heap_kept_mib`, a cache). RSS cannot tell a cache from a leak; these can."""
-    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
-        return {}
-    libc = ctypes.CDLL(None)
-    if not hasattr(libc, "mallinfo2"):
-        return {}
-    libc.mallinfo2.restype = MallInfo2
-    info = libc.mallinfo2()
-    return {
-        "heap_used_mib": round((info.uordblks + info.hblkhd) / 2**20, 1),
-        "heap_kept_mib": round(info.fordblks / 2**20, 1),
-    }
-{%- endif %}

@@ -9,8 +9,8 @@ Tests that run under DDP and FSDP alike stay in their files (conftest.STRATEGIES
 import json
 import os
 import pickle
-import platform
-import shutil
+{% if cookiecutter.memory_report %}import platform
+{% endif %}import shutil
 import signal
 import subprocess
 import time
@@ -496,6 +496,7 @@ def test_under_fsdp_no_rank_holds_a_full_copy_beyond_rank_0s_setup(tmp_path, npr
         # Less than one copy: its shard and a tensor at a time (44-76 MiB measured of 97).
         assert rank["setup_peak_mib"] < full_mib, rank
     assert full_mib < held[0]["setup_peak_mib"] < 1.2 * (full_mib + shard_mib), held[0]
+{%- if cookiecutter.memory_report %}  {#- measured with the memory report's heap figures #}
 
 
 # The reference task's model.py with build_model replaced by a deep MLP: 12 blocks of
@@ -514,7 +515,7 @@ def build_model(cfg) -> nn.Module:
 FIRST_STEP_HEAP = """
 import json, os, runpy, sys
 import engine.distributed, engine.training
-from engine.training import c_heap_mib
+from engine.parts.memory import c_heap_mib
 
 held = {}
 real_init, real_forward_backward = engine.distributed.init_distributed_mode, engine.training.forward_backward
@@ -563,6 +564,7 @@ def test_under_fsdp_no_rank_but_0_holds_more_than_its_shard_when_its_first_step_
     for rank in held[1:]:
         above_baseline = rank["first_step_mib"] - rank["baseline_mib"]
         assert above_baseline <= full_mib / nproc + 0.25 * full_mib, (rank, above_baseline / full_mib)
+{%- endif %}
 
 
 def test_a_model_that_reads_its_values_while_built_names_the_fsdp_setup():

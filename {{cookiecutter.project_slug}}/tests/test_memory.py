@@ -46,7 +46,7 @@ def test_every_load_during_resume_is_cpu_mapped_and_weights_only(tmp_path):
 
 HEAP_FIGURES = """
 import json, torch
-from engine.training import c_heap_mib
+from engine.parts.memory import c_heap_mib
 {% if cookiecutter.host_tuning %}from engine.host import set_host_allocator
 
 set_host_allocator()

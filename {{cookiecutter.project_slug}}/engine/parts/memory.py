@@ -1,9 +1,11 @@
 """The memory report (a part): every rank's memory each epoch, so imbalance and leaks show; and,
 from NVML (optional nvidia-ml-py), the processes on each node's GPUs, which torch.cuda cannot see."""
 
+import ctypes
 import gc
 import importlib.util
 import os
+import platform
 import resource
 import socket
 import statistics
@@ -17,7 +19,6 @@ from torch.distributed.tensor import DTensor
 from engine.distributed import gather_objects_on_main, get_rank, is_main, parse_dist_env
 from engine.logs import log
 from engine.parts import Part
-from engine.training import c_heap_mib
 
 
 def build(cfg, env) -> "MemoryReport":
@@ -38,6 +39,29 @@ IMBALANCE = 1.25  # warn when a rank holds more than this times the median
 TABLE_ROWS = 16  # two nodes of 8 GPUs show in full
 STATM = Path("/proc/self/statm")  # Linux's: this process's memory, in pages
 UNREADABLE = {"rss_mib": f"no {STATM}", "heap_used_mib": "no glibc mallinfo2"}  # figures a system may lack
+
+
+class MallInfo2(ctypes.Structure):
+    """glibc's struct mallinfo2 (glibc 2.33 and later), all fields size_t."""
+
+    names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
+    _fields_ = [(name, ctypes.c_size_t) for name in names.split()]
+
+
+def c_heap_mib() -> dict:
+    """The C heap in MiB (glibc 2.33's mallinfo2, else {}): handed out (`heap_used_mib`) and
+    free but kept (`heap_kept_mib`, a cache). RSS cannot tell a cache from a leak; these can."""
+    if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
+        return {}
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2"):
+        return {}
+    libc.mallinfo2.restype = MallInfo2
+    info = libc.mallinfo2()
+    return {
+        "heap_used_mib": round((info.uordblks + info.hblkhd) / 2**20, 1),
+        "heap_kept_mib": round(info.fordblks / 2**20, 1),
+    }
 
 
 def memory_snapshot(device: torch.device) -> dict:

@@ -17,6 +17,7 @@ from engine.config import DistConfig
 from engine.errors import ConfigError, PeerFailed, UsageError
 
 SLURM_PORTS = range(12000, 29000)  # below torchrun's 29500 and Linux's ephemeral range (32768-60999)
+REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}  # all_reduce's ops
 
 
 @dataclass(frozen=True)
@@ -275,10 +276,10 @@ def is_main() -> bool:
     return get_rank() == 0
 
 
-def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """`tensor` summed ("max": its maximum) over all processes, in place; every rank must call this."""
+def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
+    """`tensor` reduced ("sum", "min" or "max") over `group` (None: all processes), in place; all must call."""
     if get_world_size() > 1:
-        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX}[op])
+        dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group)
     return tensor
 
 
@@ -286,9 +287,7 @@ def vote(values: list[float], op: str, group=None, device: torch.device | None =
     """Each of `values` reduced ("min" or "max") over `group` (None: the default, on `device`); all must call."""
     if get_world_size() == 1:
         return values
-    tally = torch.tensor(values, dtype=torch.float64, device=device)
-    dist.all_reduce(tally, op=dist.ReduceOp.MIN if op == "min" else dist.ReduceOp.MAX, group=group)
-    return tally.tolist()
+    return all_reduce(torch.tensor(values, dtype=torch.float64, device=device), op, group).tolist()
 
 
 @contextlib.contextmanager

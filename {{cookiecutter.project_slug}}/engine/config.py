@@ -87,11 +87,14 @@ class CheckpointConfig:
         check_positive("checkpoint.keep_last", self.keep_last)
 
 
+MIN_TIMEOUT_MINUTES = 0.05
+
+
 @dataclass
 class DistConfig:
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto (nccl on CUDA, else gloo) | nccl | gloo
-    timeout_minutes: float = 30.0  # until the first step: a collective waiting longer fails the run
-    step_timeout_minutes: float = 10.0  # after it (a hang costs this long): cover a save and an evaluation
+    timeout_minutes: float = 30.0  # until the first step: a collective waiting longer fails the run (>= 0.05)
+    step_timeout_minutes: float = 10.0  # after it (a hang costs this long): cover a save and an evaluation (>= 0.05)
 {%- if cookiecutter.run_record %}
     flight_recorder_entries: int = 2000  # collectives each rank keeps for output_dir/flight_recorder (0: off)
 {%- endif %}
@@ -102,9 +105,12 @@ class DistConfig:
 
     def __post_init__(self):
         for key in ("timeout_minutes", "step_timeout_minutes"):
-            check_positive(f"dist.{key}", getattr(self, key))
+            minutes = getattr(self, key)
+            # 3 s at least: below it a healthy collective "loses contact" (0.001 is not a second)
+            if not minutes >= MIN_TIMEOUT_MINUTES:
+                raise ConfigError(f"dist.{key} is in minutes: at least {MIN_TIMEOUT_MINUTES} (3 s), got {minutes!r}")
             # 10**6 minutes, about two years: beyond any real run, within what timedelta and step counts hold
-            check_at_most(f"dist.{key}", getattr(self, key), 10**6)
+            check_at_most(f"dist.{key}", minutes, 10**6)
 {%- if cookiecutter.run_record %}
         check_positive("dist.flight_recorder_entries", self.flight_recorder_entries, allow_zero=True)
 {%- endif %}
@@ -202,6 +208,11 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, base: dic
         return build(Config, values, "", sections)
     except UnknownKey as error:
         raise ConfigError(unknown_key_message(error.args[0], known)) from None
+    except RecursionError:
+        raise ConfigError(f"a value in the config or an override nests {TOO_DEEP}") from None
+
+
+TOO_DEEP = "hundreds of levels deep, too deep to read; a config value is a few levels deep"
 
 
 # Keys that moved (old: new), for a config written before: train.* went to optim{% if cookiecutter.ema or cookiecutter.early_stopping or cookiecutter.freezing or cookiecutter.profiler or cookiecutter.tracking or cookiecutter.fsdp %}
@@ -273,6 +284,8 @@ def read_yaml(path: Path) -> dict:
         values = yaml.load(text, ConfigLoader)
     except FileNotFoundError:
         raise ConfigError(f"config file {str(path)!r} not found (pass --config PATH)") from None
+    except RecursionError:
+        raise ConfigError(f"config file {str(path)!r} nests a value {TOO_DEEP}") from None
     except OSError as error:
         raise ConfigError(f"cannot read config file {str(path)!r}: {error.strerror}") from None
     except UnicodeDecodeError as error:
@@ -323,6 +336,10 @@ class ConfigLoader(yaml.SafeLoader):
             if not isinstance(key_node, yaml.ScalarNode) or key_node.tag == TAG + "merge":
                 continue  # merged keys (<<) may be overridden: that is what they are for
             key = self.construct_object(key_node)
+            if not isinstance(key, str):  # `1:`, `~:`, `1.5:`: YAML reads them as a number, null or a bool
+                kind = "null" if key is None else "a boolean" if isinstance(key, bool) else "a number"
+                problem = f"key {key_node.value or '~'!r} is read as {kind}, not a name; write a name"
+                raise RefusedYaml(None, None, problem, key_node.start_mark)
             if key in first:
                 problem = f"key {shown(key)} is written twice in one section (first on line {first[key]}); keep one"
                 raise RefusedYaml(None, None, problem, key_node.start_mark)

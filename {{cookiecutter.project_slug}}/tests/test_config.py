@@ -121,35 +121,43 @@ def test_your_config_yaml_loads():
 
 # A setting config.yaml shows commented out: "# " before a YAML line that begins with a
 # key (a section, or a key of one); deleting the "# " uncomments it.
-COMMENTED_SETTING = re.compile(r"^( *)# ( *[a-z_][a-z0-9_]*:(?: .*)?)$")
+COMMENTED_SETTING = re.compile(r"^( *)# ( *)([a-z_][a-z0-9_]*):(?: (.*))?$")
 
 
-def uncommented(text: str) -> tuple[str, list[str]]:
-    """config.yaml's text with its commented-out settings uncommented, and their dotted keys."""
-    lines, keys, section = [], [], ""
+def commented_settings(text: str) -> list[tuple[str, str]]:
+    """The settings config.yaml shows commented out, as (dotted key, value) overrides: each is
+    tried on top of the file as it is, so sections you wrote yourself below them still load."""
+    settings, section = [], ""
     for line in text.splitlines():
         setting = COMMENTED_SETTING.match(line)
-        line = setting[1] + setting[2] if setting else line
-        key = re.match(r"( *)([a-z_][a-z0-9_]*):(.*)", line)
-        if key and not key[1]:
-            section = key[2]
-        if setting and key[3].split(" #")[0].strip():  # a value, not a section's line
-            keys.append(f"{section}.{key[2]}" if key[1] else key[2])
-        lines.append(line)
-    return "\n".join(lines) + "\n", keys
+        if not setting:
+            continue
+        indent, key, value = setting[1] + setting[2], setting[3], (setting[4] or "").split(" #")[0].strip()
+        if not indent:
+            section = key
+        if value:  # a value, not a section's line
+            settings.append((f"{section}.{key}" if indent else key, value))
+    return settings
 
 
-@pytest.mark.parametrize("which", ["yours", "reference"])
+@pytest.mark.parametrize("which", ["yours", "yours with your own sections below", "reference"])
 def test_the_settings_config_yaml_shows_commented_out_load_when_uncommented(tmp_path, which):
     """config.yaml shows the settings a new project changes first, commented out: each,
     uncommented, must be a key of the schema with a valid value (the example's: other than
     its default), so that a renamed key or a value no longer taken fails here, not in a
-    user's first run."""
-    config, path = (project_config, PROJECT / "config.yaml") if which == "yours" else (reference_config, CONFIG_YAML)
-    text, keys = uncommented(path.read_text())
-    assert keys or which == "yours", "the example's config.yaml shows no commented-out setting"
-    cfg, defaults = config(write(tmp_path, text)), config(None)
-    for key in keys if which == "reference" else []:
+    user's first run. Sections you write below them are yours: they do not clash."""
+    yours = which != "reference"
+    config, path = (project_config, PROJECT / "config.yaml") if yours else (reference_config, CONFIG_YAML)
+    if which == "yours with your own sections below":
+        path = write(tmp_path, path.read_text() + "\ndata: {}\n")
+    settings = commented_settings(path.read_text())
+    assert settings or yours, "the example's config.yaml shows no commented-out setting"
+    try:
+        cfg = config(path, [f"{key}={value}" for key, value in settings])
+    except ConfigError as error:
+        pytest.fail(f"config.yaml shows a commented-out setting that fails uncommented: {error}; correct or delete it")
+    defaults = config(None)
+    for key, _ in [] if yours else settings:
         value, default = (functools.reduce(getattr, key.split("."), c) for c in (cfg, defaults))
         assert value != default, f"config.yaml shows {key}: {value!r}, its default; show a value to change it to"
 
@@ -174,6 +182,37 @@ def test_section_written_twice_is_refused(tmp_path):
         ConfigError, match=r"c.yaml line 4: key 'train' is written twice in one section \(first on line 1\)"
     ):
         reference_config(path)
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("1: 2\n", "line 1: key '1' is read as a number, not a name; write a name"),
+        ("~: x\n", "line 1: key '~' is read as null, not a name; write a name"),
+        ("train: {1.5: x}\n", "line 1: key '1.5' is read as a number, not a name; write a name"),
+        ("optim:\n  true: 1\n", "line 2: key 'true' is read as a boolean, not a name; write a name"),
+    ],
+)
+def test_a_key_yaml_reads_as_a_number_a_bool_or_null_is_refused(tmp_path, text, message):
+    with pytest.raises(ConfigError) as error:
+        reference_config(write(tmp_path, text))
+    assert str(error.value) == f"{tmp_path / 'c.yaml'} {message}"
+
+
+def test_a_value_nested_thousands_deep_is_one_line(tmp_path):
+    deep = "[" * 3000 + "]" * 3000
+    with pytest.raises(ConfigError, match=r"c.yaml' nests a value hundreds of levels deep, too deep to read;"):
+        reference_config(write(tmp_path, f"model:\n  widths: {deep}\n"))
+    with pytest.raises(ConfigError, match=r"^a value in the config or an override nests hundreds of levels deep"):
+        reference_config(None, [f"train.epochs={deep}"])
+
+
+@pytest.mark.parametrize("key", ["timeout_minutes", "step_timeout_minutes"])
+@pytest.mark.parametrize("value", ["1e-9", "0.001", "0"])
+def test_a_timeout_too_short_for_any_collective_is_refused(key, value):
+    with pytest.raises(ConfigError) as error:
+        reference_config(CONFIG_YAML, [f"dist.{key}={value}"])
+    assert str(error.value) == f"dist.{key} is in minutes: at least 0.05 (3 s), got {float(value)!r}"
 
 
 def test_yaml_merge_keys_still_work(tmp_path):

@@ -6,9 +6,11 @@ import json
 import pytest
 import torch
 import torch.nn as nn
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from conftest import FAST, STRATEGIES, read_metrics, run_script, strategy_args, tensors
+from conftest import FAST, STRATEGIES, read_metrics, reference_config, run_script, strategy_args, tensors
 from engine.checkpoint import load_checkpoint
+from engine.errors import ConfigError
 from engine.parts.ema import WeightEMA
 
 STEPS_PER_EPOCH = 256 // (16 * 2)
@@ -23,7 +25,7 @@ ARGS = [
 ]
 
 
-def test_the_average_follows_the_weights_until_the_start_step_then_decays():
+def test_the_average_copies_the_weights_through_the_first_update_after_the_start_step_then_decays():
     model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
     ema = WeightEMA(decay=0.75, start_step=2).attach(model)
     for step in range(1, 5):
@@ -34,7 +36,7 @@ def test_the_average_follows_the_weights_until_the_start_step_then_decays():
             model[1].num_batches_tracked += 1
         ema.update(step)
         for name, weight in model.state_dict().items():
-            if step <= 2 or not weight.is_floating_point():  # followed, or copied (the batch count)
+            if step <= 3 or not weight.is_floating_point():  # copied through step 3, and the batch count always
                 expected = weight
             else:
                 expected = 0.75 * before[name] + 0.25 * weight
@@ -81,10 +83,11 @@ def test_tied_weights_are_averaged_once_and_saved_under_each_name():
     model = nn.Sequential(nn.Linear(3, 3, bias=False), nn.Linear(3, 3, bias=False))
     model[1].weight = model[0].weight  # tied, as an embedding and its output layer
     ema = WeightEMA(decay=0.5, start_step=0).attach(model)
+    ema.update(1)  # the first update copies the weights
     with torch.no_grad():
         model[0].weight.add_(2.0)
     before = ema.tensors["0.weight"].clone()
-    ema.update(1)
+    ema.update(2)
     assert list(ema.tensors) == ["0.weight", "1.weight"] and ema.tensors["1.weight"] is ema.tensors["0.weight"]
     assert torch.allclose(ema.tensors["0.weight"], 0.5 * before + 0.5 * model[0].weight)
     kept, average = model[0].weight.detach().clone(), ema.averages["0.weight"].clone()
@@ -94,7 +97,8 @@ def test_tied_weights_are_averaged_once_and_saved_under_each_name():
 
 
 def test_fine_tuning_starts_the_average_from_the_loaded_weights(tmp_path):
-    """init_from (and a checkpoint without an EMA) loads weights after the EMA was made."""
+    """init_from (and a checkpoint without an EMA) loads weights after the EMA was made: the
+    first update copies the weights trained from them, not the fresh model's."""
     run_script("train.py", [*FAST, "train.stop_at_step=8", f"output_dir={tmp_path / 'source'}"])
     source = tmp_path / "source" / "checkpoints" / "last.pt"
     args = [*ARGS, "ema.decay=0.999999", "ema.start_step=0", "train.stop_at_step=1"]
@@ -103,21 +107,59 @@ def test_fine_tuning_starts_the_average_from_the_loaded_weights(tmp_path):
         [*args, "checkpoint.resume=none", f"checkpoint.init_from={source}", f"output_dir={tmp_path / 'tuned'}"],
     )
     loaded = load_checkpoint(source)["model"]
-    ema = load_checkpoint(tmp_path / "tuned" / "checkpoints" / "last.pt")["ema"]
+    tuned = load_checkpoint(tmp_path / "tuned" / "checkpoints" / "last.pt")
     for key, value in loaded.items():
-        assert torch.allclose(ema[key].float(), value.float(), atol=1e-4), key  # not the fresh model's weights
+        assert torch.equal(tuned["ema"][key], tuned["model"][key]), key
+        assert torch.allclose(tuned["ema"][key].float(), value.float(), atol=1e-2), key  # one step from them
 
 
 def test_an_update_period_averages_every_nth_step_only():
     model = nn.Linear(2, 1)
     ema = WeightEMA(decay=0.5, every_steps=3).attach(model)
-    for step in range(1, 7):
+    for step in range(1, 8):
         before = ema.tensors["weight"].clone()
         with torch.no_grad():
             model.weight.add_(1.0)
         ema.update(step)
-        expected = 0.5 * before + 0.5 * model.weight if step % 3 == 0 else before
-        assert torch.allclose(ema.tensors["weight"], expected), step
+        # Updates at steps 1, 4, 7 (the 1st, 4th, ... step): the first copies the weights.
+        expected = {1: model.weight, 4: 0.5 * before + 0.5 * model.weight, 7: 0.5 * before + 0.5 * model.weight}
+        assert torch.allclose(ema.tensors["weight"], expected.get(step, before)), step
+
+
+class Steps:
+    """A TrainState as WeightEMA.setup reads it."""
+
+    def __init__(self, model, steps_per_epoch):
+        self.model, self.steps_per_epoch = model, steps_per_epoch
+
+
+@pytest.mark.parametrize(
+    "steps_per_epoch, every, warmup_epochs", [(7, 3, 1), (8, 2, 2), (5, 1, 1), (6, 4, 0), (9, 32, 1)]
+)
+def test_the_settings_give_torchvisions_recipe_arithmetic(steps_per_epoch, every, warmup_epochs):
+    """torchvision's classification recipe, by hand: after the optimizer step of batch i (from
+    0 in each epoch), `if i % model_ema_steps == 0: update_parameters(model)`, and through
+    epochs < lr_warmup_epochs `n_averaged.fill_(0)`, so that its next update copies. The
+    same settings here must give the same average at every step, bitwise."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4))
+    reference = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9), use_buffers=True)
+    ours = WeightEMA(decay=0.9, every_steps=every, warmup_epochs=warmup_epochs)
+    ours.setup(Steps(model, steps_per_epoch))
+    for epoch in range(3):
+        for i in range(steps_per_epoch):
+            with torch.no_grad():
+                for tensor in (*model.parameters(), model[1].running_mean):
+                    tensor.add_(torch.randn_like(tensor))
+            if i % every == 0:
+                reference.update_parameters(model)
+                if epoch < warmup_epochs:
+                    reference.n_averaged.fill_(0)
+            ours.update(epoch * steps_per_epoch + i + 1)
+            expected = dict(reference.module.named_parameters()) | dict(reference.module.named_buffers())
+            for name, tensor in ours.tensors.items():
+                if tensor.is_floating_point():
+                    assert torch.equal(tensor, expected[name]), (epoch, i, name)
 
 
 # torchvision's classification recipe: an update every 32 steps (here 2), its decay
@@ -133,13 +175,22 @@ def test_the_reference_settings_average_alike_on_1_and_2_processes_at_equal_effe
     for nproc, batch_size in ((1, 32), (2, 16)):
         out = tmp_path / f"n{nproc}"
         result = run_script("train.py", [*args, f"train.batch_size={batch_size}", f"output_dir={out}"], nproc=nproc)
-        lines.append(next(line for line in result.stdout.splitlines() if line.startswith("ema: decay")))
+        lines += [line for line in result.stdout.splitlines() if line.startswith("ema: decay")]
         checkpoints.append(load_checkpoint(out / "checkpoints" / "last.pt"))
-    # 1 - (1 - 0.99) x 32 x 2 / 3 epochs, from the end of epoch 1 (8 steps of 32 samples)
-    assert lines[0] == lines[1] == "ema: decay 0.786667 every 2 optimizer step(s), following the weights to step 8"
+    # 1 - (1 - 0.99) x 32 x 2 / 3 epochs, copying through the first step of epoch 2 (8 steps of 32 samples);
+    # one line per run, whatever its processes
+    line = "ema: decay 0.786667 every 2 optimizer step(s) of each epoch, copying the weights to step 9"
+    assert lines == [line, line]
     one, two = (tensors(c["ema"]) for c in checkpoints)
     assert one.keys() == two.keys()
     for name, tensor in one.items():
         assert torch.allclose(tensor, two[name], rtol=1e-4, atol=1e-6), name
     moved = tensors(checkpoints[0]["model"])
     assert any(not torch.equal(moved[name], tensor) for name, tensor in one.items())  # an average, not the weights
+
+
+@pytest.mark.quick
+def test_a_warmup_too_long_to_count_in_steps_is_one_line():
+    with pytest.raises(ConfigError) as error:
+        reference_config(None, ["ema.warmup_epochs=1e308"])
+    assert str(error.value) == "ema.warmup_epochs must be at most 1e+06, got 1e+308"

@@ -1,8 +1,11 @@
 """An exponential moving average (EMA) of the model's weights (ema:), evaluated beside them
 (ema_val_*), saved in checkpoints, and evaluated alone by evaluate.py --weights ema.
 
-Every ema.every_steps steps: ema = decay x ema + (1 - decay) x weights, one fused op on the
-device; until ema.start_step (or ema.warmup_epochs) it follows the weights. ema.adjust reads
+At every ema.every_steps-th optimizer step of each epoch (its 1st, 1 + every_steps-th, ...):
+ema = decay x ema + (1 - decay) x weights, one fused op on the device. Until the first such
+update after ema.start_step (or ema.warmup_epochs) an update copies the weights instead: the
+arithmetic of torchvision's recipe, whose AveragedModel copies while it holds no average and
+is reset through the lr's warmup epochs (tests/test_ema.py checks it against AveragedModel). ema.adjust reads
 ema.decay as torchvision's recipe does: 1 - (1 - decay) x effective batch x every_steps /
 train.epochs, the same share of the run at any number of processes. It covers the model's
 state dict (integer buffers copied){% if cookiecutter.fsdp %}, sharded like the model under FSDP{% endif %}; `swapped_into_model()`
@@ -18,7 +21,8 @@ import torch.nn as nn
 {% if cookiecutter.fsdp %}from torch.distributed.fsdp import FSDPModule
 {% endif %}from torch.distributed.tensor import DTensor
 
-from engine.config import check_positive, effective_batch, shown
+from engine.config import check_at_most, check_positive, effective_batch, shown
+from engine.distributed import is_main
 from engine.errors import ConfigError
 from engine.logs import log
 from engine.parts import Part
@@ -27,7 +31,7 @@ from engine.parts import Part
 @dataclass
 class Section:
     decay: float = 0.0  # an average of the weights, evaluated beside them (e.g. 0.999); 0 = off
-    start_step: int = 0  # until this optimizer step the average just follows the weights
+    start_step: int = 0  # through the first update after this optimizer step, an update copies the weights
     warmup_epochs: float = 0.0  # the same in epochs (e.g. the lr's warmup): the later of the two counts
     every_steps: int = 1  # average every this many optimizer steps (torchvision's recipe: 32)
     adjust: bool = False  # true: decay as torchvision's recipe gives it, for its batch per step and epochs
@@ -36,6 +40,7 @@ class Section:
         check_positive("ema.decay", self.decay, allow_zero=True)
         check_positive("ema.start_step", self.start_step, allow_zero=True)
         check_positive("ema.warmup_epochs", self.warmup_epochs, allow_zero=True)
+        check_at_most("ema.warmup_epochs", self.warmup_epochs, 10**6)  # as optim.warmup_epochs: ceil() of it holds
         check_positive("ema.every_steps", self.every_steps)
         if self.decay >= 1:
             raise ConfigError(f"ema.decay must be below 1 (e.g. 0.999), got {shown(self.decay)}")
@@ -63,15 +68,31 @@ class WeightEMA(Part):
     def __init__(self, decay: float, start_step: int = 0, every_steps: int = 1, warmup_epochs: float = 0.0):
         self.decay, self.start_step = decay, start_step
         self.every_steps, self.warmup_epochs = every_steps, warmup_epochs
+        self.plan(steps_per_epoch=None)
 
     def setup(self, state) -> None:
         if self.warmup_epochs and state.steps_per_epoch is None:
             raise ConfigError("ema.warmup_epochs needs epochs, which a stream has none of; use ema.start_step")
-        if self.warmup_epochs:
-            self.start_step = max(self.start_step, math.ceil(self.warmup_epochs * state.steps_per_epoch))
-        following = f"following the weights to step {self.start_step}"
-        log(f"ema: decay {self.decay:.6g} every {self.every_steps} optimizer step(s), {following}")
+        self.plan(state.steps_per_epoch)
+        if is_main():
+            every = f"every {self.every_steps} optimizer step(s) of each epoch"
+            log(f"ema: decay {self.decay:.6g} {every}, copying the weights to step {self.copy_until}")
         self.attach(state.model)
+
+    def plan(self, steps_per_epoch: int | None) -> None:
+        """Where the updates fall in epochs of `steps_per_epoch` (None: one endless epoch, a
+        stream), and the last that copies: the first after the warmup."""
+        self.steps_per_epoch = steps_per_epoch
+        warm = self.start_step
+        if self.warmup_epochs and steps_per_epoch:
+            warm = max(warm, math.ceil(self.warmup_epochs * steps_per_epoch))
+        place = self.place_in_epoch(warm + 1)
+        wait = -place % self.every_steps  # to the next update, or to the next epoch's first step
+        self.copy_until = warm + 1 + (wait if steps_per_epoch is None else min(wait, steps_per_epoch - place))
+
+    def place_in_epoch(self, step: int) -> int:
+        """Optimizer step `step`'s place in its epoch, from 0: updates count from each epoch's start."""
+        return step - 1 if self.steps_per_epoch is None else (step - 1) % self.steps_per_epoch
 
     def after_step(self, state) -> None:
         self.update(state.step)
@@ -116,12 +137,12 @@ class WeightEMA(Part):
 
     @torch.no_grad()
     def update(self, step: int) -> None:
-        """After optimizer step `step` (counted from 1): average every `every_steps` steps, or
-        follow the weights until start_step."""
-        if step <= self.start_step:
-            self.reset()
+        """After optimizer step `step` (counted from 1): at an update, copy the weights through
+        copy_until, else average them in."""
+        if self.place_in_epoch(step) % self.every_steps:
             return
-        if step % self.every_steps:
+        if step <= self.copy_until:
+            self.reset()
             return
         live = self.live()
         # One fused op for all tensors (torch.optim.swa_utils averages the same way).

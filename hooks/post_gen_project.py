@@ -70,13 +70,15 @@ def remove_unchosen() -> None:
 
 
 def next_steps() -> str:
+    launch = "python -m engine.launch" if PARTS["launcher"] else "torchrun"
     lines = [
         f"Created {SLUG}/. Next steps:",
         "",
         f"  cd {SLUG}",
         "  python -m venv .venv && . .venv/bin/activate",
         '  pip install -e ".[dev]"                             # tests, lint, packages of the parts',
-        "  torchrun --standalone --nproc_per_node=2 train.py   # 2 processes (GPUs if present, else CPU)",
+        # The README's launch: engine.launch is torchrun ending in the failing process's own line.
+        f"  {launch} --standalone --nproc_per_node=2 train.py   # 2 processes (GPUs if present, else CPU)",
         "  python train.py                                     # or a single process",
         "  pytest                                              # the project's own tests",
     ]

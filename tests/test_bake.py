@@ -317,3 +317,17 @@ def test_one_part_answered_no_leaves_no_dangling_name_or_hook(tmp_path, answer):
     sources = [*(project / "engine").rglob("*.py"), project / "train.py", project / "evaluate.py"]
     called = {(path.name, name) for path in sources for name in re.findall(r"\bpart\.(\w+)", path.read_text())}
     assert [f"{file}: part.{name}" for file, name in sorted(called) if name not in hooks] == []
+
+
+@pytest.mark.parametrize("launcher", ["yes", "no"])
+def test_the_printed_next_steps_launch_as_the_readme_does(tmp_path, launcher):
+    result = subprocess.run(
+        [BIN / "cookiecutter", TEMPLATE, "--no-input", "--output-dir", tmp_path, f"launcher={launcher}"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    launch = "python -m engine.launch --standalone" if launcher == "yes" else "torchrun --standalone"
+    printed = [line.strip() for line in result.stdout.splitlines() if "--nproc_per_node" in line]
+    assert printed and all(line.startswith(launch) for line in printed), result.stdout
+    assert f"{launch} --nproc_per_node" in (tmp_path / "ddp_classifier" / "README.md").read_text()

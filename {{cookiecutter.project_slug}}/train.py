@@ -280,6 +280,7 @@ class Run:
         self.train_loader, self.val_loader = loaders
         self.training_step = functools.partial(training_step, cfg=cfg)  # model.py's, with the run's settings
         self.augment_batch = getattr(data, "augment_batch", None)  # data.py's, if any (e.g. MixUp)
+        self.step_lr = state.scheduler.get_last_lr()[0]  # the last step's rate (before any, the next's)
 {%- if cookiecutter.throughput %}
         # The losses since the last evaluation, the task's items (model.py's count_items), the MFU.
         self.stats = EpochStats(state.device, Throughput.of_run(cfg, state.device, getattr(task, "count_items", None)))
@@ -376,12 +377,12 @@ class Run:
 {%- endif %}
                 if not state.completes_step():
                     continue  # accumulate gradients
-                lr = state.scheduler.get_last_lr()[0]  # this step's: optimizer_step moves the schedule on
+                self.step_lr = state.scheduler.get_last_lr()[0]  # this step's: optimizer_step moves the schedule on
                 optimizer_step(state, cfg.train)
 {%- if cookiecutter.throughput %}
                 self.stats.step_done()
 {%- endif %}
-                progress.update(state.step, losses["loss"], lr)
+                progress.update(state.step, losses["loss"], self.step_lr)
                 if self.stop.requested(state.step):  # a signal to any rank, or train.stop_at_step
                     return Outcome.STOPPED
                 if state.step % cfg.train.log_every_steps == 0:
@@ -420,7 +421,7 @@ class Run:
             row |= part.epoch_figures(state)  # e.g. every rank's memory
 {%- endif %}
         # outside_train_s: the evaluation's time{{ ", and the parts' (e.g. the memory report's)" if cookiecutter.memory_report }}.
-        row |= {"lr": state.scheduler.get_last_lr()[0], "outside_train_s": time.perf_counter() - start}
+        row |= {"lr": self.step_lr, "outside_train_s": time.perf_counter() - start}
         # The row before the checkpoint: if the save fails, the next run trains again from the
         # previous checkpoint and rewinds metrics.jsonl to it (RunLog).
         with stop_all_if_any_fails(state.device):

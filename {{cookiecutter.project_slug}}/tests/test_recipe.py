@@ -6,7 +6,7 @@ from itertools import pairwise
 import pytest
 import torch
 
-from conftest import reference_config, reference_task
+from conftest import FAST, read_metrics, reference_config, reference_task, run_script
 
 RECIPE = reference_task().recipe
 
@@ -75,3 +75,12 @@ def test_a_checkpoint_config_with_a_retired_key_still_loads():
     cfg = reference_config(None, base=stored)
     assert cfg.train.epochs == 3 and not hasattr(cfg.train, "warmup_steps") and not hasattr(cfg.train, "lr")
     assert not hasattr(cfg, "swa") and cfg.optim.lr == 0.2
+
+
+def test_each_metrics_row_gives_the_rate_its_last_step_used(tmp_path):
+    """A per-epoch schedule: epoch 0's steps use the base lr, epoch 1's a tenth of it. The
+    row of epoch 0 gives epoch 0's rate, not the next epoch's."""
+    schedule = ["optim.schedule=step", "optim.step_every_epochs=1", "optim.step_gamma=0.1", "optim.warmup_epochs=0"]
+    args = [*FAST, "data.train_size=64", "train.epochs=2", "optim.scale_lr=false", *schedule]
+    run_script("train.py", [*args, f"output_dir={tmp_path}"])
+    assert [row["lr"] for row in read_metrics(tmp_path)] == pytest.approx([0.1, 0.01])

@@ -16,7 +16,9 @@ skips the micro-batches its checkpoint trained; each reader's RNG is its own.
 
 import collections
 import dataclasses
+import inspect
 import itertools
+import numbers
 from collections.abc import Callable, Mapping
 
 import torch
@@ -24,7 +26,7 @@ import torch.distributed as dist
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, get_worker_info
 
 from engine.config import Config, effective_batch
-from engine.distributed import DistEnv, all_gather_objects, get_world_size, is_main, vote
+from engine.distributed import DistEnv, agreed, all_gather_objects, get_world_size, is_main, vote
 from engine.errors import UsageError
 from engine.logs import log
 from engine.seeding import borrowed_rng, derive_seed, sample_seeds
@@ -43,13 +45,22 @@ class TrainSampler(DistributedSampler):
         self.epoch_samples = len(self.epoch_order()) if order else len(dataset)  # the same every epoch
 
     def epoch_order(self) -> list[int]:
-        """data.py's train_order for this epoch, checked; its generator is seeded as the permutation's."""
+        """data.py's train_order for this epoch, checked, and the same on every rank; its
+        generator is seeded as the permutation's, so that randperm(n, generator) is the built-in order."""
         size = len(self.dataset)
-        order = [int(i) for i in self.order(size, torch.Generator().manual_seed(self.seed + self.epoch))]
+        order = indices_of(self.order(size, torch.Generator().manual_seed(self.seed + self.epoch)), self.epoch)
         if any(not 0 <= i < size for i in order) or self.epoch_samples not in (None, len(order)):
             raise UsageError(
                 f"data.py's train_order gave {len(order)} indices for epoch {self.epoch}; give the same number "
                 f"every epoch, each in [0, {size}) (the training set's samples)"
+            )
+        if len(set(all_gather_objects(hash(tuple(order))))) > 1:  # once an epoch: every rank must deal the same order
+            raise agreed(
+                UsageError(
+                    f"data.py's train_order gave each process another order for epoch {self.epoch}; draw it from "
+                    "its `generator` argument (e.g. torch.randperm(num_samples, generator=generator)), not torch's "
+                    "global RNG"
+                )
             )
         return order
 
@@ -73,6 +84,33 @@ class TrainSampler(DistributedSampler):
 
     def __len__(self):
         return (self.num_batches - self.start_batch) * self.batch_size
+
+
+def indices_of(order, epoch: int) -> list[int]:
+    """train_order's return value as a list of indices: integers only (0.9 is no index, nor
+    True, nor "3"), in a list, a tuple or a 1-D integer tensor; else one line naming it."""
+    if isinstance(order, torch.Tensor) and order.ndim == 1 and is_integer(order):
+        order = order.tolist()
+    what = f"data.py's train_order returned {type(order).__name__} for epoch {epoch}"
+    if not isinstance(order, (list, tuple, range)):
+        raise UsageError(f"{what}; return a list (or a 1-D integer tensor) of training sample indices")
+    if not order:
+        raise UsageError(f"{what} with no indices; return the epoch's order, as torch.randperm(num_samples, generator)")
+    bad = next((item for item in order if type(item) is not int and not is_index(item)), None)
+    if bad is not None:
+        raise UsageError(f"{what} holding {type(bad).__name__} {str(bad)[:40]!r}; give integer indices only")
+    return [int(item) for item in order]
+
+
+def is_integer(tensor: torch.Tensor) -> bool:
+    return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
+
+
+def is_index(item) -> bool:
+    """An integer that is not a bool: Python's, numpy's or a 0-d integer tensor."""
+    if isinstance(item, torch.Tensor):
+        return item.ndim == 0 and is_integer(item)
+    return isinstance(item, numbers.Integral) and not isinstance(item, bool)
 
 
 class SeededSamples(Dataset):
@@ -169,9 +207,22 @@ def build_train_loader(
         loader = make_loader(stream, cfg, device, hooks, batch_size=cfg.train.batch_size, drop_last=True)
         loader.steps = StreamSteps(cfg.train.accum_steps, vote_group)
         return loader
-    sampler = TrainSampler(dataset, env, cfg.seed, cfg.train.batch_size, order=hooks.get("train_order"))
+    order = hooks.get("train_order")
+    sampler = TrainSampler(dataset, env, cfg.seed, cfg.train.batch_size, order=order and with_settings(order, cfg))
     sampler.num_batches = micro_batches_per_epoch(sampler.epoch_samples, cfg, env)
     return make_loader(SeededSamples(dataset), cfg, device, hooks, sampler=sampler, batch_size=cfg.train.batch_size)
+
+
+def with_settings(train_order: Callable, cfg: Config) -> Callable:
+    """data.py's train_order(num_samples, generator, cfg) with the run's settings bound."""
+    try:
+        inspect.signature(train_order).bind(0, None, cfg)
+    except TypeError:
+        raise UsageError(
+            "data.py's train_order must take (num_samples, generator, cfg): cfg is the run's config, "
+            "for settings such as a number of repeats"
+        ) from None
+    return lambda num_samples, generator: train_order(num_samples, generator, cfg)
 
 
 def build_val_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device, **hooks) -> DataLoader:
@@ -199,7 +250,7 @@ class RankDataLoader(DataLoader):
         try:
             yield from super().__iter__()
         except UsageError as error:
-            error.local = True
+            error.local = not getattr(error, "agreed", False)  # unless every rank raised it alike
             raise
 
     def __enter__(self) -> "RankDataLoader":

@@ -6,11 +6,20 @@ left alone."""
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
 
-from conftest import FAST, assert_resume_is_bitwise, project_config, project_with, read_metrics, replaced
+from conftest import (
+    FAST,
+    assert_resume_is_bitwise,
+    project_config,
+    project_with,
+    read_metrics,
+    replaced,
+    run_script,
+)
 from engine.distributed import DistEnv
 from engine.errors import UsageError
 from engine.loader import TrainSampler
@@ -46,10 +55,14 @@ STEPS = (
 
 REPEATED = '''
 
-def train_order(num_samples, generator):
-    """Repeated augmentation: each sample 3 times in a row, in an epoch as long as the data."""
-    return torch.randperm(num_samples, generator=generator).repeat_interleave(3)[:num_samples].tolist()
+def train_order(num_samples, generator, cfg):
+    """Repeated augmentation: each sample cfg.data.repeats times in a row, in an epoch as long as the data."""
+    order = torch.randperm(num_samples, generator=generator).repeat_interleave(cfg.data.repeats)[:num_samples]
+    assert cfg.data.repeats == 3 and torch.equal(order[:3], order[:1].repeat(3)), "the setting reaches train_order"
+    return order  # a tensor: integer indices in any form
 '''
+# A key of your own in DataConfig (data.repeats), set in the run's config.
+REPEATS = ("class DataConfig:\n", "class DataConfig:\n    repeats: int = 1  # repeated augmentation\n")
 
 
 def resumes_bitwise(project, tmp_path, args) -> list[dict]:
@@ -69,8 +82,8 @@ def test_mixup_and_label_smoothing_in_your_files_train_and_resume_bitwise_and_ne
 
 
 def test_a_sampler_of_your_own_keeps_equal_steps_and_a_bitwise_resume(tmp_path):
-    project = project_with(tmp_path, {"data.py": lambda text: text + REPEATED})
-    resumes_bitwise(project, tmp_path, ARGS)
+    project = project_with(tmp_path, {"data.py": lambda text: replaced(text, (REPEATS,)) + REPEATED})
+    resumes_bitwise(project, tmp_path, [*ARGS, "data.repeats=3"])
 
 
 class Repeated(torch.utils.data.Dataset):
@@ -107,6 +120,80 @@ def test_a_sampler_that_changes_its_length_or_leaves_the_data_is_refused_in_one_
         list(sampler)
     with pytest.raises(UsageError, match=r"each in \[0, 10\) \(the training set's samples\)$"):
         TrainSampler(Repeated(), DistEnv(rank=0, world_size=1), 0, 2, order=lambda n, g: [n])
+
+
+@pytest.mark.parametrize(
+    "returned, message",
+    [
+        (None, "returned NoneType for epoch 0; return a list (or a 1-D integer tensor)"),
+        (5, "returned int for epoch 0; return a list"),
+        ("0123", "returned str for epoch 0; return a list"),
+        (torch.zeros(2, 5, dtype=torch.long), "returned Tensor for epoch 0; return a list"),
+        (torch.full((10,), float("nan")), "returned Tensor for epoch 0; return a list"),
+        ([[0, 1], [2, 3]], "returned list for epoch 0 holding list '[0, 1]'; give integer indices only"),
+        ([0.9] * 10, "returned list for epoch 0 holding float '0.9'; give integer indices only"),
+        ([True] * 10, "returned list for epoch 0 holding bool 'True'; give integer indices only"),
+        (["3"] * 10, "returned list for epoch 0 holding str '3'; give integer indices only"),
+        ([float("nan")] * 10, "returned list for epoch 0 holding float 'nan'; give integer indices only"),
+        ([], "returned list for epoch 0 with no indices; return the epoch's order"),
+    ],
+)
+def test_a_sampler_of_your_own_that_returns_no_indices_is_refused_in_one_line(returned, message):
+    with pytest.raises(UsageError) as error:
+        TrainSampler(Repeated(), DistEnv(rank=0, world_size=1), 0, 2, order=lambda n, g: returned)
+    assert str(error.value).startswith(f"data.py's train_order {message}") and "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    "indices",
+    [list(range(10)), (*range(10),), range(10), torch.arange(10), [*torch.arange(10)], [*np.arange(10)]],
+)
+def test_a_sampler_of_your_own_may_give_integers_in_any_form(indices):
+    sampler = TrainSampler(Repeated(), DistEnv(rank=0, world_size=1), 0, 2, order=lambda n, g: indices)
+    sampler.num_batches = 5
+    assert [index for _, index in sampler] == list(range(10))
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_randperm_from_the_generator_is_the_built_in_order(world_size):
+    def randperm(num_samples, generator):
+        return torch.randperm(num_samples, generator=generator)
+
+    for rank in range(world_size):
+        samplers = [
+            TrainSampler(Repeated(), DistEnv(rank=rank, world_size=world_size), 7, 1, order=o) for o in (None, randperm)
+        ]
+        for sampler in samplers:
+            sampler.num_batches = 10 // world_size
+            sampler.set_epoch(3)
+        assert list(samplers[0]) == list(samplers[1])
+
+
+GLOBAL_RNG = """
+
+def train_order(num_samples, generator, cfg):
+    return torch.randperm(num_samples).tolist()  # generator forgotten: each process draws its own
+"""
+
+
+def test_a_sampler_of_your_own_that_ignores_its_generator_is_refused_before_training(tmp_path):
+    project = project_with(tmp_path, {"data.py": lambda text: text + GLOBAL_RNG})
+    run = run_script("train.py", [*ARGS, f"output_dir={tmp_path / 'out'}"], nproc=2, cwd=project, check=False)
+    assert run.returncode != 0 and "Traceback" not in run.stderr, run.stderr
+    lines = [line for line in run.stderr.splitlines() if "train_order" in line]
+    assert len(lines) == 1 and lines[0].startswith(  # from rank 0 alone: every rank found it
+        "error: data.py's train_order gave each process another order for epoch 0; draw it from its `generator`"
+    )
+    assert not (tmp_path / "out" / "metrics.jsonl").exists()
+
+
+def test_a_sampler_of_your_own_without_the_settings_argument_is_refused_in_one_line(tmp_path):
+    project = project_with(
+        tmp_path, {"data.py": lambda text: text + "\n\ndef train_order(num_samples, generator):\n    return []\n"}
+    )
+    run = run_script("train.py", [*ARGS, f"output_dir={tmp_path / 'out'}"], cwd=project, check=False)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("error: data.py's train_order must take (num_samples, generator, cfg)")
 
 
 def test_the_opening_lines_name_what_changes_the_math_from_a_plain_loop():

@@ -186,9 +186,11 @@ def process_group_env(environ: Mapping[str, str]{{ ', trace_entries: int, trace_
 
 
 def multi_node(environ: Mapping[str, str]) -> bool:
+    fix = "the launcher sets it to a whole number; unset yours"
     if "LOCAL_WORLD_SIZE" in environ and "WORLD_SIZE" in environ:
-        return int(environ["LOCAL_WORLD_SIZE"]) < int(environ["WORLD_SIZE"])
-    return int(environ.get("SLURM_STEP_NUM_NODES", environ.get("SLURM_NNODES", 1))) > 1
+        return whole_number(environ, "LOCAL_WORLD_SIZE", fix) < whole_number(environ, "WORLD_SIZE", fix)
+    nodes = "SLURM_STEP_NUM_NODES" if "SLURM_STEP_NUM_NODES" in environ else "SLURM_NNODES"
+    return (whole_number(environ, nodes, fix) or 1) > 1
 
 
 def check_gloo_address(hostname: str, spans_hosts: bool, environ: Mapping[str, str]) -> None:

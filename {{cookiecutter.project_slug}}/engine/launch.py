@@ -2,6 +2,7 @@
 SIGINT/SIGTERM, 75 when every process saved, else 128 + the signal. Takes torchrun's options:
 python -m engine.launch --standalone --nproc_per_node=4 train.py [section.key=value ...]"""
 
+import errno
 import json
 import os
 import signal
@@ -19,7 +20,11 @@ from engine.logs import ERROR_FILE_VARIABLE
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    args.log_dir = args.log_dir or tempfile.mkdtemp(prefix="torchelastic_")  # where each process leaves its last word
+    try:  # where each process leaves its last word
+        args.log_dir = usable_log_dir(args.log_dir) if args.log_dir else tempfile.mkdtemp(prefix="torchelastic_")
+    except OSError as error:
+        print(f"error: --log-dir {args.log_dir!r}: {error.strerror}; give a folder to write in", file=sys.stderr)
+        return 2
     earlier = set(Path(args.log_dir).glob("*"))  # other launches' logs, in a --log-dir used before
     launch = record(run) if ERROR_FILE_VARIABLE in os.environ else run  # an outer launcher gets the error file
     try:
@@ -46,6 +51,15 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
         return 128 + sigval
     return 0
+
+
+def usable_log_dir(path: str) -> str:
+    """`path`, made if missing, once a folder could be made in it (as torchrun makes one per launch)."""
+    if os.path.lexists(path) and not os.path.isdir(path):  # a file, or a link to one: makedirs says "exists"
+        raise NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), path)
+    os.makedirs(path, exist_ok=True)
+    os.rmdir(tempfile.mkdtemp(prefix=".probe_", dir=path))
+    return path
 
 
 def all_saved(log_dir: Path, earlier: set = frozenset()) -> bool:

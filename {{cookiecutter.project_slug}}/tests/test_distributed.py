@@ -272,6 +272,22 @@ def test_multi_node_jobs_are_told_from_single_node_ones(environ, spans_hosts):
     assert multi_node(environ) is spans_hosts
 
 
+@pytest.mark.parametrize(
+    "environ, name",
+    [
+        ({**SRUN_TASK, "SLURM_NNODES": "two"}, "SLURM_NNODES"),
+        ({**SRUN_TASK, "SLURM_STEP_NUM_NODES": "", "SLURM_NNODES": "2"}, "SLURM_STEP_NUM_NODES"),
+        ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "x"}, "LOCAL_WORLD_SIZE"),
+        ({"WORLD_SIZE": "-8", "LOCAL_WORLD_SIZE": "8"}, "WORLD_SIZE"),
+    ],
+)
+def test_a_node_count_that_is_no_number_is_one_line(environ, name):
+    with pytest.raises(UsageError) as error:
+        multi_node(environ)
+    fix = "the launcher sets it to a whole number; unset yours"
+    assert str(error.value) == f"{name} is {environ[name]!r}, not a whole number: {fix}"
+
+
 def test_a_multi_node_job_on_a_loopback_host_name_is_told_to_set_gloo_socket_ifname():
     with pytest.raises(UsageError, match=r"'localhost' resolves to 127\.0\.0\.1.*set GLOO_SOCKET_IFNAME"):
         check_gloo_address("localhost", True, {})

@@ -20,10 +20,12 @@ from engine.lifecycle import pid_alive
 from engine.logs import write_last_word
 
 
-def start_launcher(args: list) -> subprocess.Popen:
-    """`python -m engine.launch` on 2 processes, stdout and stderr in one stream as on a terminal."""
+def start_launcher(args: list, launcher_args=False) -> subprocess.Popen:
+    """`python -m engine.launch` on 2 processes, stdout and stderr in one stream as on a terminal;
+    `args` are train.py's, or the launcher's (`launcher_args`)."""
+    ahead, after = (args, []) if launcher_args else ([], last_wins(args))
     return subprocess.Popen(
-        [sys.executable, "-m", "engine.launch", "--standalone", "--nproc_per_node=2", "train.py", *last_wins(args)],
+        [sys.executable, "-m", "engine.launch", "--standalone", "--nproc_per_node=2", *ahead, "train.py", *after],
         cwd=machinery_project(),
         env=clean_env(),
         stdout=subprocess.PIPE,
@@ -40,6 +42,22 @@ def test_bad_input_on_two_processes_ends_with_the_projects_line_and_exit_code_2(
     assert process.returncode == 2, output
     assert output.splitlines()[-1] == "error: optim.lr must be > 0, got -1.0", output
     assert "Traceback" not in output and "FAILED" not in output, output
+
+
+@pytest.mark.parametrize("kind", ["a file", "below a file", "a link to a file"])
+def test_a_log_dir_that_cannot_be_a_folder_is_one_line_before_any_process_starts(tmp_path, kind):
+    (tmp_path / "file").write_text("mine")
+    log_dir = {
+        "a file": tmp_path / "file",
+        "below a file": tmp_path / "file" / "logs",
+        "a link to a file": tmp_path / "link",
+    }[kind]
+    (tmp_path / "link").symlink_to(tmp_path / "file")
+    process = start_launcher([f"--log-dir={log_dir}"], launcher_args=True)
+    output = finish(process, [])
+    assert process.returncode == 2 and output.count("\n") == 1, output
+    assert output.startswith(f"error: --log-dir '{log_dir}': Not a directory; give a folder to write in"), output
+    assert (tmp_path / "file").read_text() == "mine"
 
 
 @pytest.mark.slow  # a real launch: the slow tier (pytest -m slow)

@@ -70,9 +70,10 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     source, out = Path(args.checkpoint), Path(args.out)
     refuse_program(source)
-    # SIGTERM (a launcher's, a scheduler's) stops it as Ctrl-C does: through the `finally`
-    # below, which removes this run's parts.
-    signal.signal(signal.SIGTERM, signal.default_int_handler)
+    # SIGTERM (a launcher's, a scheduler's), a closed terminal's SIGHUP and Ctrl-\\ stop it as
+    # Ctrl-C does: through the `finally` below, which removes this run's parts.
+    for stop_signal in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(stop_signal, signal.default_int_handler)
     if os.path.lexists(out):  # it may be last week's predictions, or a link: never written through
         raise already_exists(out)
     build_predict_set, predict_step = task_hooks()

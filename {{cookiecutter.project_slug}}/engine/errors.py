@@ -28,3 +28,7 @@ class OutputDirInUse(UsageError):
 
 class PeerFailed(UsageError):
     """Another process failed and reports why; this one just stops."""
+
+
+class StoppedAtOnce(KeyboardInterrupt):
+    """A second Ctrl-C during a training run's stop: it leaves without the stop's checkpoint."""

@@ -1,5 +1,6 @@
 """torchrun ending with the run's own last word and exit code: a failure, the failing process's line and code;
-SIGINT/SIGTERM, 75 when every process saved, else 128 + the signal. Takes torchrun's options:
+a stop signal (SIGINT, SIGTERM, SIGHUP, SIGQUIT), 75 when every process saved, else 128 + the signal.
+Takes torchrun's options:
 python -m engine.launch --standalone --nproc_per_node=4 train.py [section.key=value ...]"""
 
 import errno
@@ -14,7 +15,7 @@ from torch.distributed.elastic.multiprocessing import ProcessFailure, SignalExce
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, record
 from torch.distributed.run import parse_args, run
 
-from engine.lifecycle import STOPPED_EXIT_CODE
+from engine.lifecycle import STOP_SIGNALS, STOPPED_EXIT_CODE
 from engine.logs import ERROR_FILE_VARIABLE
 
 
@@ -34,7 +35,7 @@ def main(argv: list[str] | None = None) -> int:
         print(line, file=sys.stderr, flush=True)
         return code
     except (SignalException, KeyboardInterrupt) as stop:
-        for stop_signal in (signal.SIGINT, signal.SIGTERM):  # torchrun has waited: a further signal ends this one
+        for stop_signal in STOP_SIGNALS:  # torchrun has waited: a further signal ends this one
             signal.signal(stop_signal, signal.SIG_DFL)
         sigval = getattr(stop, "sigval", signal.SIGINT)  # KeyboardInterrupt: before torchrun took the signals
         started = isinstance(stop, SignalException)

@@ -17,14 +17,15 @@ from pathlib import Path
 import torch.distributed as dist
 
 from engine.distributed import get_world_size, is_main, vote
-from engine.errors import OutputDirInUse
+from engine.errors import OutputDirInUse, StoppedAtOnce
 from engine.files import create_whole, not_written
 
 HEARTBEAT_S = 30.0
 STALE_S = 120.0  # four missed heartbeats
 WATCH_S = 1.0  # how often a possible restart looks at its predecessor's heartbeat
 LOCK_NAME = "run.lock"
-STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+# A scheduler's, Ctrl-C, SLURM's warning, a closed terminal or ssh session, Ctrl-\: each a stop with a checkpoint.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGHUP, signal.SIGQUIT)
 CHECK_EVERY_SECONDS = 0.5  # how often ranks compare notes: a few hundred us each time
 LAUNCHER_GONE = "the loss of its launcher"
 PARENT_CHECK_S = 1.0  # how often a rank looks for its launcher: one getppid() call
@@ -112,10 +113,13 @@ class RunLock:
             return self.path.stat().st_mtime
 
     def is_stale(self, holder: dict, modified: float | None) -> bool:
-        pid = holder.get("pid")  # this process's: a dead holder's pid came back (in a container, every start)
-        dead_here = holder.get("host") == self.me["host"] and (pid == self.me["pid"] or not pid_alive(pid))
+        """Dead or silent; on another host also an earlier start of this launch. On this host a live
+        pid holds it whatever its restart counts say (they are only environment variables)."""
         silent = modified is None or time.time() - modified > STALE_S
-        return self.earlier_start(holder) or dead_here or silent
+        if holder.get("host") != self.me["host"]:
+            return self.earlier_start(holder) or silent
+        pid = holder.get("pid")  # this process's: a dead holder's pid came back (in a container, every start)
+        return pid == self.me["pid"] or not pid_alive(pid) or silent
 
     def earlier_start(self, holder: dict) -> bool:
         """An earlier start of this launch (not a run of the same start, e.g. two terminals in one salloc)."""
@@ -196,7 +200,7 @@ class StopRequest:
 
     def handle(self, signum, frame) -> None:
         if signum == signal.SIGINT and self.signal_name:
-            raise KeyboardInterrupt  # a second Ctrl-C: stop now, without a checkpoint
+            raise StoppedAtOnce  # a second Ctrl-C: stop now, without a checkpoint
         self.signal_name = signal.Signals(signum).name
 
     def requested(self, step: int) -> bool:

@@ -14,7 +14,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from engine.distributed import PeerFailed, {{ 'flight_recorder_file, ' if cookiecutter.run_record }}get_rank, is_main, lost_peer
-from engine.errors import UsageError
+from engine.errors import StoppedAtOnce, UsageError
 from engine.files import append_json_line, rewind_json_lines
 
 
@@ -183,9 +183,11 @@ def last_word(error: BaseException) -> tuple[str | None, int] | None:
             "DataLoader workers, or a machine with more memory"
         ), 1
 {%- endif %}
-    if isinstance(error, KeyboardInterrupt):  # a second Ctrl-C (the first asks for a stop with a checkpoint)
+    if isinstance(error, StoppedAtOnce):  # in training the first Ctrl-C asks for a stop with a checkpoint
         line = "error: stopped at once by a second Ctrl-C; run the same command to continue from the last checkpoint"
         return line if is_main() else None, 130  # as a shell reports a process ended by SIGINT
+    if isinstance(error, KeyboardInterrupt):  # a stop signal where no checkpoint is kept
+        return ("error: stopped by a signal before the end; nothing was written, run the same command again"), 130
     if not lost_peer(error):
         return None
     # Every survivor says it: rank 0 may be the process that died.

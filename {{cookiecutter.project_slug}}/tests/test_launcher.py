@@ -60,19 +60,30 @@ def test_a_log_dir_that_cannot_be_a_folder_is_one_line_before_any_process_starts
     assert (tmp_path / "file").read_text() == "mine"
 
 
-@pytest.mark.slow  # a real launch: the slow tier (pytest -m slow)
-def test_ctrl_c_stops_every_process_with_a_checkpoint_then_the_projects_line_and_exit_code_75(tmp_path):
+# Ctrl-C; a closed terminal or ssh session (SIGHUP); Ctrl-\\ (SIGQUIT). torchrun passes each on.
+@pytest.mark.parametrize(
+    "stop",
+    [
+        pytest.param(signal.SIGINT, marks=pytest.mark.slow),
+        signal.SIGHUP,
+        pytest.param(signal.SIGQUIT, marks=pytest.mark.slow),
+    ],
+    ids=["ctrl-c", "sighup", "sigquit"],
+)
+def test_a_stop_signal_stops_every_process_with_a_checkpoint_then_the_projects_line_and_exit_code_75(tmp_path, stop):
     args = [*FAST, "data.train_size=8192", "train.log_every_steps=1", "train.stop_at_step=300"]
     process, seen = start_launcher([*args, f"output_dir={tmp_path / 'run'}"]), []
     wait_for_line(process, "step 3 ", seen)
     ranks = children(process.pid)
     assert len(ranks) == 2, seen
-    process.send_signal(signal.SIGINT)  # what Ctrl-C sends: torchrun's ranks have process groups of their own
+    process.send_signal(stop)  # to torchrun alone: its ranks have process groups of their own
     output = finish(process, seen)
     assert process.returncode == 75, output  # stopped: the same command continues
     assert "Traceback" not in output and "SignalException" not in output, output
     last = output.splitlines()[-1]  # rank 0's, as without a launcher
     assert last.startswith("stopped at step ") and last.endswith("run the same command to continue"), output
+    assert f"by {stop.name}" in last and not (tmp_path / "run" / "run.lock").exists()
+    assert (tmp_path / "run" / "checkpoints" / "last.pt").exists()
     assert not [pid for pid in ranks if pid_alive(pid)]
 
 

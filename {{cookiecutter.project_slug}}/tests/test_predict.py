@@ -370,7 +370,7 @@ def test_images_under_a_linked_folder_are_predicted_and_a_link_loop_is_listed_on
 
 
 @pytest.mark.slow  # a stop signal to real processes: the slow tier (pytest -m slow)
-@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM, signal.SIGHUP], ids=["ctrl-c", "sigterm", "sighup"])
 def test_a_stop_while_predicting_leaves_no_file_and_no_part(exported, photos, tmp_path, stop):
     """Ctrl-C or SIGTERM while the rank writes its part: the run stops, and its hidden
     folder of parts is gone with it."""
@@ -403,5 +403,9 @@ def test_a_stop_while_predicting_leaves_no_file_and_no_part(exported, photos, tm
     assert [path.name.startswith(".predictions.jsonl.") for path in out.parent.iterdir()] == [True]
     run.send_signal(stop)
     _, stderr = run.communicate(timeout=120)
-    assert run.returncode != 0, stderr
+    assert run.returncode == 130, stderr
+    assert (
+        stderr.splitlines()[-1]
+        == "error: stopped by a signal before the end; nothing was written, run the same command again"
+    )
     assert list(out.parent.iterdir()) == [], stderr

@@ -152,13 +152,13 @@ def write_holder(directory, holder):
     ],
     ids=["requeue", "elastic-restart", "elastic-restart-in-a-slurm-job"],
 )
-def test_a_live_run_of_the_same_launch_is_refused_and_its_earlier_start_taken_over(
+def test_a_live_run_of_the_same_launch_is_refused_whatever_its_restart_count_until_its_pid_ends(
     tmp_path, monkeypatch, live_pid, slurm_job, torchrun, count
 ):
     """Two runs of one SLURM job (two terminals of one salloc) or one torchrun launch share
-    their launch: while the holder lives, it is never taken over. A later start of the launch
-    (a requeue, an elastic restart: a higher restart count) takes over its earlier start,
-    whose processes are gone or going, though they look alive here: this host, a live pid."""
+    their launch. On this host a live holder is never taken over, even by a later start of
+    the launch (a higher restart count: only an environment variable, anyone can set it; a
+    real requeue or elastic restart starts once the earlier processes have ended)."""
     as_torchrun_rank_0(monkeypatch)
     if not torchrun:
         monkeypatch.delenv("TORCHELASTIC_RUN_ID")
@@ -167,11 +167,32 @@ def test_a_live_run_of_the_same_launch_is_refused_and_its_earlier_start_taken_ov
     monkeypatch.setenv(count, "1")
     holder = {**RunLock(tmp_path).me, "pid": live_pid}
     write_holder(tmp_path, holder)
-    with pytest.raises(OutputDirInUse, match=f"in use by the run on host {holder['host']}, pid {live_pid}, "):
-        RunLock(tmp_path).acquire()
-    monkeypatch.setenv(count, "2")
+    for restarts in ("1", "2"):
+        monkeypatch.setenv(count, restarts)
+        with pytest.raises(OutputDirInUse, match=f"in use by the run on host {holder['host']}, pid {live_pid}, "):
+            RunLock(tmp_path).acquire()
+    os.kill(live_pid, signal.SIGKILL)
+    os.waitpid(live_pid, 0)
     RunLock(tmp_path).acquire().release()
     assert not (tmp_path / LOCK_NAME).exists()
+
+
+def test_a_faked_restart_count_beside_a_live_run_of_the_same_job_is_refused(tmp_path):
+    """`SLURM_RESTART_COUNT=1 python train.py` beside a live run of job 4242 on this host: it
+    must neither take the lock nor touch the run's files."""
+    out = tmp_path / "run"
+    first, seen = start_script("train.py", [*LONG, f"output_dir={out}"], env={"SLURM_JOB_ID": "4242"}), []
+    try:
+        wait_for_line(first, "step 2 ", seen)
+        holder = (out / LOCK_NAME).read_text()
+        faked = {"SLURM_JOB_ID": "4242", "SLURM_RESTART_COUNT": "1"}
+        second = run_script("train.py", [*FAST, f"output_dir={out}", "train.epochs=7"], env=faked, check=False)
+        assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+        assert second.stderr.startswith(f"error: output_dir '{out}' is in use by the run on host "), second.stderr
+        assert (out / LOCK_NAME).read_text() == holder and first.poll() is None
+    finally:
+        first.kill()
+        first.communicate()
 
 
 @pytest.mark.parametrize(

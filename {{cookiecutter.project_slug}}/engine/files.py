@@ -1,5 +1,6 @@
 """Writing files without ever leaving a torn one, and naming the file when the disk refuses."""
 
+import contextlib
 import json
 import os
 import shutil
@@ -97,14 +98,26 @@ def create_whole(path: Path, write) -> None:
 
 def open_new(path: Path, mode: str = "w"):
     """`path` opened for writing, created by this call: never one that exists, nor through a link."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o666)  # less the umask
     return os.fdopen(fd, mode, **({} if "b" in mode else {"encoding": "utf-8"}))
 
 
 def private_folder(beside: Path) -> Path:
     """A new hidden folder beside `beside`, of a name no other run can know."""
     beside.parent.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(dir=beside.parent, prefix=f".{beside.name}.", suffix=".tmp"))
+    folder = tempfile.mkdtemp(dir=beside.parent, prefix=f".{beside.name}.", suffix=".tmp")
+    os.chmod(folder, 0o777 & ~umask())  # mkdtemp's 0700: the finished folder is shared as any other
+    return Path(folder)
+
+
+def umask() -> int:
+    """The process's umask, read without setting it where Linux tells it (setting it is process-wide)."""
+    with contextlib.suppress(OSError, StopIteration, ValueError):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
 
 def atomic_write(directory: Path, name: str, write) -> None:
@@ -121,6 +134,7 @@ def write_temporary(directory: Path, name: str, write) -> Path:
     """A new, fsynced '.<name>.*.tmp' file from `write(file)`; its random name follows no planted link."""
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~umask())  # mkstemp's 0600 would hide the file from a group sharing the folder
         with os.fdopen(fd, "wb") as f:
             recorder = WriteErrors(f)
             try:

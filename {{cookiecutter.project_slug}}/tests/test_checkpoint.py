@@ -2,6 +2,7 @@ import itertools
 import os
 import pickle
 import shutil
+import subprocess
 import zipfile
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -10,7 +11,17 @@ import pytest
 import safetensors.torch
 import torch
 
-from conftest import FAST, STRATEGIES, machinery_project, read_metrics, reference_config, reference_task, run_script
+from conftest import (
+    FAST,
+    STRATEGIES,
+    clean_env,
+    command,
+    machinery_project,
+    read_metrics,
+    reference_config,
+    reference_task,
+    run_script,
+)
 from engine.checkpoint import (
     CHECKPOINT_FORMAT,
     Checkpointer,
@@ -27,7 +38,7 @@ from engine.checkpoint import (
 )
 from engine.config import Config
 from engine.distributed import DistEnv
-from engine.files import WriteErrors
+from engine.files import WriteErrors, private_folder
 from engine.seeding import capture_rng_state
 from engine.training import NonFiniteGuard, TrainState, build_grad_scaler
 
@@ -581,3 +592,26 @@ def test_export_writes_weights_safetensors_a_program_and_the_settings_of_the_sam
     with torch.no_grad():
         outputs.append(torch.export.load(exported.with_suffix(".pt2")).module()(images))
     assert all(torch.equal(outputs[0], output) for output in outputs[1:])
+
+
+@pytest.mark.parametrize("umask, mode", [(0o002, 0o664), (0o022, 0o644), (0o077, 0o600)])
+def test_what_a_run_writes_honours_the_umask(tmp_path, umask, mode):
+    """A group sharing the output folder (umask 002) can read the checkpoints and the config;
+    a private umask keeps them private: files are created as by open(), never 0600 alone."""
+    out = tmp_path / "run"
+    args = [*FAST, "data.train_size=64", "train.epochs=1", "checkpoint.every_steps=1", f"output_dir={out}"]
+    subprocess.run(
+        command("train.py", args),
+        cwd=machinery_project(),
+        env=clean_env(),
+        preexec_fn=lambda: os.umask(umask),
+        check=True,
+        capture_output=True,
+    )
+    written = [out / "config.yaml", out / "metrics.jsonl", *(out / "checkpoints").glob("*.pt")]
+    assert len(written) > 4 and {path: path.stat().st_mode & 0o777 for path in written} == dict.fromkeys(written, mode)
+    mine = os.umask(umask)  # this process's, for the hidden folders that become checkpoints and predictions
+    try:
+        assert private_folder(tmp_path / "parts").stat().st_mode & 0o777 == mode | (mode & 0o444) >> 2
+    finally:
+        os.umask(mine)

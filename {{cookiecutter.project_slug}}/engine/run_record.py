@@ -47,11 +47,23 @@ def git_state(folder: Path, timeout: float = GIT_TIMEOUT) -> dict | None:
     deadline = time.monotonic() + timeout
     try:
         head = git(folder, deadline, "rev-parse", "HEAD")
-        return None if head is None else {"commit": head, "dirty": bool(git(folder, deadline, "status", "--porcelain"))}
+        if head is None:
+            return None
+        switches = filters_off(git(folder, deadline, "config", "--name-only", "--list") or "")
+        return {"commit": head, "dirty": bool(git(folder, deadline, *switches, "status", "--porcelain"))}
     except subprocess.TimeoutExpired:
         return {"unknown": f"git state unknown: git did not answer within {timeout:g} s"}
     except GitFailed as error:
         return {"unknown": f"git state unknown: {error}"}
+
+
+def filters_off(config_keys: str) -> list[str]:
+    """`-c` switches that turn off every filter the configuration names (a clean filter runs on
+    `git status`): git compares the files as they are, and runs no program of the repository's."""
+    names = sorted({key[7:].rpartition(".")[0] for key in config_keys.splitlines() if key.startswith("filter.")})
+    off = [f"filter.{name}.{key}=" for name in names for key in ("clean", "smudge", "process")]
+    off += [f"filter.{name}.required=false" for name in names]
+    return [word for setting in off for word in ("-c", setting)]
 
 
 def git(folder: Path, deadline: float, *args: str) -> str | None:

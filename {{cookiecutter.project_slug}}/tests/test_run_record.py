@@ -117,6 +117,23 @@ def test_the_git_call_runs_no_fsmonitor_command_of_the_repository(tmp_path):
     assert not marker.exists()
 
 
+@pytest.mark.parametrize("name", ["mark", "a.b"])  # a filter's name may hold dots
+def test_the_git_call_runs_no_filter_of_the_repository_and_still_sees_a_change(tmp_path, name):
+    repo, head = committed_repo(tmp_path)
+    marker = tmp_path / "filter-ran"
+    (repo / ".gitattributes").write_text(f"*.py filter={name}\n")
+    git(repo, "add", ".gitattributes")
+    git(repo, "commit", "-q", "-m", "attributes")
+    head = git(repo, "rev-parse", "HEAD").strip()
+    git(repo, "config", f"filter.{name}.clean", str(script(tmp_path / "clean", f"touch {marker}; cat")))
+    git(repo, "config", f"filter.{name}.required", "true")
+    os.utime(repo / "model.py", (1, 1))  # changed as far as its time says: git reads it to know
+    assert git_state(repo) == {"commit": head, "dirty": False}
+    (repo / "model.py").write_text("# the project, edited\n")
+    assert git_state(repo) == {"commit": head, "dirty": True}
+    assert not marker.exists()
+
+
 def gone(pid: int) -> bool:
     """No such process, or only its exit status is left (a zombie)."""
     try:

@@ -5,6 +5,7 @@ python -m engine.launch --standalone --nproc_per_node=4 train.py [section.key=va
 
 import errno
 import json
+import math
 import os
 import signal
 import sys
@@ -17,6 +18,10 @@ from torch.distributed.run import parse_args, run
 
 from engine.lifecycle import STOP_SIGNALS, STOPPED_EXIT_CODE
 from engine.logs import ERROR_FILE_VARIABLE
+
+# torchrun sends SIGKILL 30 s after SIGTERM to the processes left once one ended; a process killed
+# that long after another ended did not heed the SIGTERM. An outside kill comes first, the rest follow.
+STUCK_AFTER_S = 15
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,10 +97,12 @@ def processes_left() -> bool:
 
 def shown_failure(failures: dict[int, ProcessFailure]) -> tuple[str, int]:
     """The failure that most likely caused the others: torchrun's 'first observed' is often a consequence."""
-    return min(diagnosis(rank, failure) for rank, failure in failures.items())[-2:]
+    exits = [failure.timestamp for failure in failures.values() if failure.exitcode > 0]
+    first_exit = min(exits, default=math.inf)
+    return min(diagnosis(rank, failure, first_exit) for rank, failure in failures.items())[-2:]
 
 
-def diagnosis(rank: int, failure: ProcessFailure) -> tuple[int, float, int, str, int]:
+def diagnosis(rank: int, failure: ProcessFailure, first_exit: float = math.inf) -> tuple[int, float, int, str, int]:
     """(blame, timestamp, rank, line, exit code); blamed first: an `error: ...` line, a kill, a crash, another
     line (a consequence), an exit code alone, SIGTERM (torchrun's to the rest)."""
     recorded = os.path.isfile(failure.error_file) and isinstance(failure.message, dict)
@@ -110,6 +117,11 @@ def diagnosis(rank: int, failure: ProcessFailure) -> tuple[int, float, int, str,
         kind = lines[0].split(":")[0]
         exception = lines[-1] if lines[-1].startswith(kind) else f"{kind}: {lines[-1]}"
         line = f"error: rank {rank} failed: {exception} (traceback above and in {failure.error_file})"
+    elif failure.exitcode == -signal.SIGKILL and failure.timestamp - first_exit >= STUCK_AFTER_S:
+        line = (  # killed well after another process exited: torchrun's SIGKILL, its SIGTERM not heeded
+            f"error: rank {rank} (pid {failure.pid}) was stuck: it did not stop on torchrun's SIGTERM after another "
+            "process ended, and was killed (a hang in a collective, a DataLoader or the task's code; see its output)"
+        )
     elif failure.exitcode < 0:
         cause = " (the out-of-memory killer, or kill -9)" if failure.exitcode == -signal.SIGKILL else ""
         line = f"error: rank {rank} (pid {failure.pid}) was killed by {failure.signal_name()}{cause}"

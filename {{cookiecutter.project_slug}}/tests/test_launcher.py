@@ -151,6 +151,16 @@ def test_a_killed_process_is_blamed_rather_than_the_ones_that_lost_contact_with_
     assert shown_failure(failures) == (killed, 137)
 
 
+def test_a_process_torchrun_killed_long_after_another_ended_is_named_as_stuck(tmp_path):
+    """A rank stuck (a hung stream, a collective): the other times out and exits; torchrun's
+    SIGTERM goes unheeded and its SIGKILL follows 30 s later. No out-of-memory killer."""
+    failures = {0: failure(tmp_path, 0, 1, word=LOST), 1: failure(tmp_path, 1, -signal.SIGKILL)}
+    failures[0].timestamp -= 31  # rank 0 left its line 31 s before torchrun found rank 1 killed
+    line, code = shown_failure(failures)
+    assert line.startswith("error: rank 1 (pid 1001) was stuck: it did not stop on torchrun's SIGTERM") and code == 137
+    assert "out-of-memory" not in line
+
+
 def test_a_crash_is_blamed_rather_than_the_ones_that_lost_contact_with_it(tmp_path):
     crash = "RuntimeError: Caught RuntimeError in DataLoader worker process 0.\nOriginal Traceback\nRuntimeError: boom"
     failures = {0: failure(tmp_path, 0, 1, word=LOST), 1: failure(tmp_path, 1, 1, exception=crash)}

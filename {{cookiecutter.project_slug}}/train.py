@@ -36,6 +36,7 @@ from engine.distributed import (
     shorten_timeout_after_first_step,
     stop_all_if_any_fails,
 )
+from engine.errors import UsageError
 {% if cookiecutter.host_tuning %}from engine.host import freeze_setup_objects, set_host_allocator
 {% endif %}from engine.lifecycle import RunLock, StopRequest, leave_stop_signals_to_the_rank
 from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
@@ -178,6 +179,17 @@ def load_train_objs(cfg, env, device, checkpointer: Checkpointer, parts: list, v
     return train_loader, val_loader, state
 
 
+def build_augment(cfg, train_set):
+    """data.py's build_augment(cfg, train_set): the function that augments each training batch, or None."""
+    if hasattr(data, "augment_batch"):  # before 0.8.0: rebuilt its augmentation at every batch
+        raise UsageError(
+            "data.py's augment_batch(batch, cfg) is now build_augment(cfg, train_set), called once, which returns "
+            "the function applied to each training batch (e.g. v2.MixUp(...)); rename it and return that function"
+        )
+    build = getattr(data, "build_augment", None)
+    return build(cfg, train_set) if build else None
+
+
 def sanity_check(state: TrainState, val_loader, cfg, checkpointer: Checkpointer) -> None:
     """Run validation_step and every metric on each rank's first 2 validation batches, so
     that a mistake there, or a checkpoint.best_metric the task does not report, stops the
@@ -279,7 +291,7 @@ class Run:
         self.checkpointer, self.stop, self.log = checkpointer, stop, log
         self.train_loader, self.val_loader = loaders
         self.training_step = functools.partial(training_step, cfg=cfg)  # model.py's, with the run's settings
-        self.augment_batch = getattr(data, "augment_batch", None)  # data.py's, if any (e.g. MixUp)
+        self.augment = build_augment(cfg, self.train_loader.data_set)  # data.py's, if any (e.g. MixUp), built once
         self.step_lr = state.scheduler.get_last_lr()[0]  # the last step's rate (before any, the next's)
 {%- if cookiecutter.throughput %}
         # The losses since the last evaluation, the task's items (model.py's count_items), the MFU.
@@ -338,15 +350,16 @@ class Run:
         return state.step > last or (state.step == last and state.evaluated_step == last)
 
     def augmented(self, batch):
-        """A training batch through data.py's `augment_batch`, which evaluation never sees. Its
-        draws from torch's CPU RNG are seeded per (seed, rank, epoch, micro-batch), so a resumed
-        run augments each batch as the run left alone did; the caller's RNG is given back."""
-        if self.augment_batch is None:
+        """A training batch through the augmentation data.py's `build_augment` made, which
+        evaluation never sees. Its draws from torch's CPU RNG are seeded per (seed, rank, epoch,
+        micro-batch), so a resumed run augments each batch as the run left alone did; the
+        caller's RNG is given back."""
+        if self.augment is None:
             return batch
         state = self.state
         with borrowed_rng(cpu_generator_only=True) as generator:
             generator.manual_seed(derive_seed(self.cfg.seed, self.env.rank, state.epoch, state.batches_done))
-            return self.augment_batch(batch, self.cfg)
+            return self.augment(batch)
 
     def evaluation_due(self) -> bool:
         """Within an epoch: every train.eval_every_steps steps, and at train.max_steps."""

@@ -246,6 +246,11 @@ class RankDataLoader(DataLoader):
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.sampler.set_epoch(epoch, start_batch)
 
+    @property
+    def data_set(self):
+        """The dataset data.py built, inside the wrapper that seeds or splits it."""
+        return self.dataset.stream if isinstance(self.dataset, StreamParts) else self.dataset.dataset
+
     def __iter__(self):
         try:
             yield from super().__iter__()

@@ -30,10 +30,11 @@ ARGS = [*FAST, "data.train_size=256", "train.epochs=2"]
 
 MIXUP = '''
 
-def augment_batch(batch, cfg):
+def build_augment(cfg, train_set):
     """MixUp on a whole training batch: its labels become class probabilities."""
-    images, labels = batch
-    return v2.MixUp(alpha=0.4, num_classes=count_classes(cfg))(images, labels)
+    print("MixUp built", flush=True)  # once per process
+    mixup = v2.MixUp(alpha=0.4, num_classes=count_classes(cfg))
+    return lambda batch: mixup(*batch)
 '''
 
 # The steps check what reaches them: mixed batches in training, never in validation.
@@ -79,6 +80,16 @@ def test_mixup_and_label_smoothing_in_your_files_train_and_resume_bitwise_and_ne
     )
     rows = resumes_bitwise(project, tmp_path, [*ARGS, "model.label_smoothing=0.1"])
     assert len(rows) == 2
+    resumed = run_script("train.py", [*ARGS, f"output_dir={tmp_path / 'once'}"], nproc=2, cwd=project).stdout
+    assert resumed.count("MixUp built") == 2, resumed  # once per process, not per batch
+
+
+def test_an_augment_batch_of_before_is_told_to_become_build_augment(tmp_path):
+    old = "\n\ndef augment_batch(batch, cfg):\n    return batch\n"
+    project = project_with(tmp_path, {"data.py": lambda text: text + old})
+    run = run_script("train.py", [*ARGS, f"output_dir={tmp_path / 'out'}"], cwd=project, check=False)
+    assert run.returncode == 2 and run.stderr.count("\n") == 1, run.stderr
+    assert run.stderr.startswith("error: data.py's augment_batch(batch, cfg) is now build_augment(cfg, train_set)")
 
 
 def test_a_sampler_of_your_own_keeps_equal_steps_and_a_bitwise_resume(tmp_path):

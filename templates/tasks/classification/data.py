@@ -25,6 +25,7 @@ Rules that keep distributed training correct:
 {% include "tasks/randomness.txt" %}- Nothing here is distributed: samplers and loaders are the machinery's.
 """
 
+import functools
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -108,12 +109,12 @@ def train_transform(data: DataConfig) -> v2.Transform:
     yours to replace whole, e.g. v2.RandomResizedCrop and v2.AutoAugment on the original image."""
     size = data.image_size
     augment = [v2.RandomCrop(size, padding=size // 8), v2.RandomHorizontalFlip()] if data.augment else []
-    return v2.Compose([*as_float_image(size), *augment, v2.Normalize(MEAN, STD)])
+    return v2.Compose([as_float_image(size), *augment, v2.Normalize(MEAN, STD)])
 
 
 def val_transform(data: DataConfig) -> v2.Transform:
     """A validation (or prediction) image as read to the model's input."""
-    return v2.Compose([*as_float_image(data.image_size), v2.Normalize(MEAN, STD)])
+    return v2.Compose([as_float_image(data.image_size), v2.Normalize(MEAN, STD)])
 
 
 def image_folder(root: Path, train_tf, val_tf) -> tuple[Dataset, Dataset]:
@@ -127,10 +128,19 @@ def image_folder(root: Path, train_tf, val_tf) -> tuple[Dataset, Dataset]:
     return train, val
 
 
-def as_float_image(image_size: int) -> list[v2.Transform]:
+def as_float_image(image_size: int) -> functools.partial:
     """A PIL image or tensor as a float image, its shorter side scaled to image_size and its
-    centre cut square (an image of that size already passes unchanged)."""
-    return [v2.ToImage(), v2.Resize(image_size), v2.CenterCrop(image_size), v2.ToDtype(torch.float32, scale=True)]
+    centre cut square. A float image of that size already (the synthetic example's) passes as
+    it is: the conversions would change nothing, and they cost more than the sample's making."""
+    to_float = v2.ToDtype(torch.float32, scale=True)
+    convert = v2.Compose([v2.ToImage(), v2.Resize(image_size), v2.CenterCrop(image_size), to_float])
+    return functools.partial(float_image, convert=convert, image_size=image_size)
+
+
+def float_image(image, convert: v2.Transform, image_size: int):
+    if isinstance(image, torch.Tensor) and image.is_floating_point() and image.shape[-2:] == (image_size, image_size):
+        return image
+    return convert(image)
 
 
 def build_predict_set(cfg, source: str) -> Dataset:

@@ -244,3 +244,16 @@ def test_unreadable_images_are_one_line_naming_the_file(tmp_path, name):
         train[[os.fsdecode(path) for path in train.paths].index(str(bad))]
     message = str(error.value)
     assert "\n" not in message and str(bad) in message and advice in message, message
+
+
+def test_a_float_image_of_the_models_size_passes_the_conversions_as_they_would_leave_it():
+    """The synthetic example's images skip ToImage, Resize, CenterCrop and ToDtype (their cost
+    per sample exceeded the sample's making): the image is the one the conversions give."""
+    from torchvision.transforms import v2
+
+    from data import as_float_image
+
+    image = torch.rand(3, 16, 16)
+    converted = v2.Compose([v2.ToImage(), v2.Resize(16), v2.CenterCrop(16), v2.ToDtype(torch.float32, scale=True)])
+    assert as_float_image(16)(image) is image and torch.equal(converted(image), image)
+    assert as_float_image(8)(image).shape == (3, 8, 8)  # another size is converted

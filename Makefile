@@ -20,9 +20,11 @@ demo: $(BIN)/.installed
 # Every test: the template's, and each generated project's own suite; two at a time
 # (the SLURM tests share one cluster, so they stay together on one worker).
 test: $(BIN)/.installed
+	$(BIN)/python benchmarks/bench.py --quick  # figures only: the step against a plain loop and the last version
 	$(BIN)/python -m pytest -n 2 --dist loadgroup --durations=25 tests
 
-# Generated loop vs a hand-written one, DDP vs FSDP memory, speed switches. Prints figures.
+# Generated loop vs a hand-written one and vs the previous version (default and lean bakes),
+# DDP vs FSDP memory, speed switches. Prints figures.
 bench: $(BIN)/.installed
 	$(BIN)/python benchmarks/bench.py --switches
 

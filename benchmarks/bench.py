@@ -1,6 +1,13 @@
-"""Benchmark: the generated training loop against a minimal hand-written one.
+"""Benchmark: the generated training loop against a minimal hand-written one, and against
+the previous version's.
 
-Bakes a project with the default answers, then, for each workload and process count,
+First, for the default and the lean bake (every optional answer no): time per training
+sample of the generated loop over that of a plain loop (benchmarks/handwritten.py) over the
+same model.py and data.py, and over that of the bake of the commit that set the previous
+_template_version, 1 process each, pairs of runs side by side on a core each; the ratios,
+their median and spread. `--quick` runs this alone, short, as the template's CI does.
+
+Then it bakes a project with the default answers, then, for each workload and process count,
 runs pairs of (a) its train.py and (b) benchmarks/handwritten.py with the same model,
 data, augmentation, optimizer recipe, batch and process count: side by side on a core
 each for one process, one after the other (order alternating) for more. Prints median step
@@ -11,10 +18,11 @@ both ended with the same weights. Then DDP vs FSDP peak memory on a larger model
 (with --switches) the effect of each speed switch.
 
 It asserts nothing about time; it prints. Usage (from the template repo):
-    .venv/bin/python benchmarks/bench.py [--repeats 8] [--cases big small resnet] [--switches]
+    .venv/bin/python benchmarks/bench.py [--repeats 8] [--cases big small resnet] [--switches] [--quick]
 """
 
 import argparse
+import io
 import json
 import os
 import platform
@@ -22,6 +30,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from dataclasses import dataclass
@@ -340,6 +349,106 @@ def compare_switches(project: Path, work: Path) -> None:
         print(f"{name:>26}: {1e3 * result['step_s']:7.2f} ms/step, {result['samples_per_s']:7.0f} samples/s")
 
 
+# Every optional answer "no": the lean bake.
+LEAN = dict.fromkeys(
+    ("ema", "early_stopping", "freezing", "profiler", "tracking", "memory_report", "throughput", "run_record")
+    + ("host_tuning", "pretrained", "launcher", "sweep", "fsdp"),
+    "no",
+)
+QUICK = ["model.name=mlp", "model.hidden_dim=256", "data.train_size=1024", "train.num_workers=0"]
+QUICK += ["train.batch_size=32", "train.epochs=1", "train.log_every_steps=100000", "checkpoint.resume=none"]
+
+
+def git(*args: str) -> str:
+    return subprocess.run(["git", "-C", str(TEMPLATE), *args], capture_output=True, text=True, check=True).stdout
+
+
+def previous_version(work: Path) -> tuple[str, Path] | None:
+    """The template as the commit that set the previous _template_version left it, in a folder
+    of `work`; None where this checkout has no history (a shallow clone, an archive)."""
+    current = json.loads((TEMPLATE / "cookiecutter.json").read_text())["_template_version"]
+    try:
+        for commit in git("log", "--format=%H", "-G_template_version", "--", "cookiecutter.json").split():
+            version = json.loads(git("show", f"{commit}:cookiecutter.json"))["_template_version"]
+            if version != current:
+                folder = work / f"template-{version}"
+                folder.mkdir()
+                archive = subprocess.run(
+                    ["git", "-C", str(TEMPLATE), "archive", commit], capture_output=True, check=True
+                )
+                tarfile.open(fileobj=io.BytesIO(archive.stdout)).extractall(folder, filter="data")
+                return version, folder
+    except (OSError, subprocess.CalledProcessError):
+        pass
+    return None
+
+
+def training_samples_per_s(out: Path | None, finished: Finished) -> float:
+    """Samples per second while training: the generated run's metrics rows (`out`), or the
+    hand-written loop's line."""
+    if out is None:
+        return json.loads(next(line for line in finished.stdout.splitlines() if line.startswith("{")))["samples_per_s"]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return statistics.mean(row["samples_per_s"] for row in rows)
+
+
+def time_per_sample_ratios(now: Path, other: Path | None, work: Path, workload: list[str], repeats: int) -> list[float]:
+    """This version's time per training sample over the other's (a baked project; None: the
+    hand-written loop in `now`), one ratio per pair of runs side by side on a core each,
+    cores and start order swapped between pairs; 1 process each."""
+    cores = sorted(os.sched_getaffinity(0))[:2] if hasattr(os, "sched_getaffinity") else []
+    ratios = []
+    for pair in range(repeats):
+        outs = (work / "now", None if other is None else work / "other")
+        commands = [
+            (generated_command(1, outs[0], workload), now),
+            (handwritten_command(1, work / "plain", workload), now)
+            if other is None
+            else (generated_command(1, outs[1], workload), other),
+        ]
+        order = [1, 0] if pair % 2 else [0, 1]
+        pinned = [cores[(i + pair) % 2] if len(cores) == 2 else None for i in range(2)]
+        started = [start(commands[i][0], commands[i][1], pinned[i]) for i in order]
+        finished = dict(zip(order, wait_all(started), strict=True))
+        mine, theirs = (training_samples_per_s(outs[i], finished[i]) for i in (0, 1))
+        ratios.append(theirs / mine)
+    return sorted(ratios)
+
+
+def baked(template: Path, out: Path, answers: dict) -> Path:
+    """A project baked in a process of its own: each template imports its own local_extensions."""
+    command = [sys.executable, "-m", "cookiecutter", str(template), "--no-input", "-o", str(out)]
+    answers = [f"{key}={value}" for key, value in answers.items()]
+    subprocess.run([*command, *answers], cwd=template, capture_output=True, check=True)  # its extensions, not ours
+    return next(out.iterdir())
+
+
+def compare_versions(work: Path, repeats: int, workloads: dict[str, list[str]], bakes=("default", "lean")) -> None:
+    """The generated step against a plain loop over the same files, and against the previous
+    version's bake, for the default and the lean bake: ratios of time per training sample."""
+    previous = previous_version(work)
+    print(
+        f"\n== time per training sample, ratio of this version's to the other's, {repeats} pairs of runs side by "
+        "side (median, spread min-max); below 1.0: this version is faster"
+    )
+    if previous is None:
+        print("   (no previous version: this checkout has no git history)")
+    for bake_name, answers in {"default": {}, "lean": LEAN}.items():
+        if bake_name not in bakes:
+            continue
+        now = baked(TEMPLATE, work / f"now-{bake_name}", answers)
+        before = previous and baked(previous[1], work / f"before-{bake_name}", answers)
+        for name, workload in workloads.items():
+            against = {"plain loop": None} | ({previous[0]: before} if before else {})
+            for other_name, other in against.items():
+                ratios = time_per_sample_ratios(now, other, work, workload, repeats)
+                spread = f"{ratios[0]:.3f}-{ratios[-1]:.3f}"
+                print(
+                    f"   {bake_name} bake, {name}: vs {other_name}: {statistics.median(ratios):.3f} (spread {spread}: "
+                    f"{', '.join(f'{r:.3f}' for r in ratios)})"
+                )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
@@ -347,6 +456,7 @@ def main() -> None:
     )
     parser.add_argument("--cases", nargs="*", choices=list(CASES), default=list(CASES), help="none: memory only")
     parser.add_argument("--switches", action="store_true", help="also time each speed switch")
+    parser.add_argument("--quick", action="store_true", help="the versions' comparison only, short (the template's CI)")
     args = parser.parse_args()
     print(
         f"machine: {platform.machine()}, {os.cpu_count()} cores, {platform.processor() or 'cpu'}; "
@@ -354,6 +464,10 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
+        if args.quick:
+            compare_versions(work, 2, {"MLP, 1,024 samples": QUICK}, bakes=("default",))
+            return
+        compare_versions(work, args.repeats, {"MLP (small steps)": SMALL_STEPS, "ResNet-18": RESNET})
         project = Path(cookiecutter(str(TEMPLATE), no_input=True, output_dir=str(work / "bake")))
         for case in args.cases:
             compare_loops(project, work, args.repeats, case)

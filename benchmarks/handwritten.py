@@ -9,6 +9,7 @@ settings. Run inside a baked project folder:
 Prints one JSON line per rank: step times, throughput, page faults and peak RSS.
 """
 
+import inspect
 import json
 import resource
 import statistics
@@ -41,7 +42,9 @@ def main():
     torch.manual_seed(cfg.seed)
     model = build_model(cfg)
     trained = DDP(model) if world > 1 else model
-    optimizer = build_optimizer(model, cfg, world, {})
+    # With the freezing answer, build_optimizer also takes the parameters that join later (none here).
+    joins_later = [{}] if "joins_later" in inspect.signature(build_optimizer).parameters else []
+    optimizer = build_optimizer(model, cfg, world, *joins_later)
     scheduler = build_scheduler(optimizer, cfg, len(loader))
     step_times, train_time = [], 0.0
     faults_before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -130,7 +130,9 @@ def commented_settings(text: str) -> list[tuple[str, str]]:
     settings, section = [], ""
     for line in text.splitlines():
         setting = COMMENTED_SETTING.match(line)
-        if not setting:
+        if not setting:  # a section written out (detection's train:) holds the commented keys below it
+            written = re.match(r"([a-z_][a-z0-9_]*):", line)
+            section = written[1] if written else section
             continue
         indent, key, value = setting[1] + setting[2], setting[3], (setting[4] or "").split(" #")[0].strip()
         if not indent:

@@ -115,6 +115,7 @@ class DistConfig:
         check_positive("dist.flight_recorder_entries", self.flight_recorder_entries, allow_zero=True)
 {%- endif %}
         check_positive("dist.bucket_cap_mb", self.bucket_cap_mb)
+        check_at_most("dist.bucket_cap_mb", self.bucket_cap_mb, 10**6)  # DDP takes int(MiB x 2**20) bytes
 
 
 @dataclass

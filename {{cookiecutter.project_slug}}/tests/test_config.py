@@ -229,6 +229,7 @@ def test_yaml_merge_keys_still_work(tmp_path):
         ("dist.timeout_minutes=1e300", "dist.timeout_minutes must be at most 1e+06, got 1e+300"),
         ("dist.step_timeout_minutes=1e7", "dist.step_timeout_minutes must be at most 1e+06, got 10000000.0"),
         ("optim.warmup_epochs=1e307", "optim.warmup_epochs must be at most 1e+06, got 1e+307"),
+        ("dist.bucket_cap_mb=1e308", "dist.bucket_cap_mb must be at most 1e+06, got 1e+308"),
     ],
 )
 def test_finite_numbers_too_large_to_mean_anything_are_refused(override, message):

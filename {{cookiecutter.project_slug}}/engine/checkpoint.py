@@ -22,6 +22,7 @@ from engine.config import Config, TrainConfig, effective_batch, field_default, p
 from engine.distributed import DistEnv, all_gather_objects, gather_objects_on_main, is_main, stop_all_if_any_fails
 from engine.errors import CheckpointError, UsageError
 from engine.files import atomic_write, fsync_dir
+from engine.lifecycle import pid_alive
 from engine.logs import log
 {% if cookiecutter.fsdp %}from engine.parts import modules
 {% endif %}from engine.seeding import capture_rng_state, restore_rng_state
@@ -29,6 +30,7 @@ from engine.logs import log
 {% if cookiecutter.fsdp %}STEP_FILE = re.compile(r"^step-(\d+)(?:\.(\d+))?\.(pt|dcp)$")  # step-00001234.pt, .dcp, a folder saved again: .1.dcp
 {% else %}STEP_FILE = re.compile(r"^step-(\d+)\.pt$")  # step-00001234.pt
 {% endif %}PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")  # added by DDP and torch.compile wrappers
+WRITER_PID = re.compile(r"\.pid(\d+)\.")  # in a temporary file's name: '.step-00000012.pt.pid4242.x1y2.tmp'
 CHECKPOINT_FORMAT = 2  # raised on a change of contents, so older engines refuse it (2: optim, "states", "weight_sets")
 SHAPE = ("batch_size", "accum_steps")  # train's keys that, with the world size, decide the data's order
 RUN_STATE_TYPES = dict(  # what every checkpoint holds besides its tensors ("optimizer", "model")
@@ -103,7 +105,7 @@ def publish(path: Path, write, keep_last: int, is_best: bool) -> Path:
         atomic_write(directory, path.name, lambda f: torch.save(state, f))
 {%- endif %}
         for link in ["last.pt", "best.pt"][: 1 + is_best]:
-            tmp = path.with_name(f".{link}.link.tmp")
+            tmp = path.with_name(f".{link}.pid{os.getpid()}.link.tmp")
             tmp.unlink(missing_ok=True)
 {%- if cookiecutter.fsdp %}
             if path.is_dir():
@@ -151,10 +153,10 @@ def prune(directory: Path, keep_last: int) -> None:
     for old in step_checkpoints(directory)[:-keep_last]:
         if old.name not in linked:
             remove(old)
-    for stale in directory.glob(".*.tmp"):
+    for stale in leftovers(directory):
         remove(stale)
 {%- else %}
-    for old in [*step_checkpoints(directory)[:-keep_last], *directory.glob(".*.tmp")]:
+    for old in [*step_checkpoints(directory)[:-keep_last], *leftovers(directory)]:
         if not old.is_dir():  # a folder is none of this project's leftovers: left alone
             old.unlink(missing_ok=True)
 {%- endif %}
@@ -169,6 +171,17 @@ def remove(path: Path) -> None:
         doomed = path if path.name.endswith(".tmp") else path.rename(path.with_name(f".{path.name}.del.tmp"))
         shutil.rmtree(doomed, ignore_errors=True)
 {%- endif %}
+
+
+def leftovers(directory: Path) -> list[Path]:
+    """'.*.tmp' files and folders that no other live process of this host writes: a run beside this one (refused
+    by run.lock, but a folder may be shared by hand) never loses its save."""
+    found = []
+    for path in directory.glob(".*.tmp"):
+        writer = WRITER_PID.search(path.name)
+        if writer is None or int(writer[1]) == os.getpid() or not pid_alive(int(writer[1])):
+            found.append(path)
+    return found
 
 
 def load_checkpoint(path: str | Path{{ ", tensors: bool = True" if cookiecutter.fsdp }}) -> dict:

@@ -131,8 +131,9 @@ def atomic_write(directory: Path, name: str, write) -> None:
 
 
 def write_temporary(directory: Path, name: str, write) -> Path:
-    """A new, fsynced '.<name>.*.tmp' file from `write(file)`; its random name follows no planted link."""
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.", suffix=".tmp")
+    """A new, fsynced '.<name>.pid<pid>.*.tmp' file from `write(file)`; its random name follows no planted link,
+    its pid tells a leftover from another live process's file."""
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=f".{name}.pid{os.getpid()}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~umask())  # mkstemp's 0600 would hide the file from a group sharing the folder
         with os.fdopen(fd, "wb") as f:

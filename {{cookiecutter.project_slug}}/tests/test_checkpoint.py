@@ -90,6 +90,23 @@ def test_keeps_the_newest_step_checkpoints_and_no_temporary_files(tmp_path):
     assert load_checkpoint(tmp_path / "last.pt")["step"] == 0
 
 
+def test_prune_leaves_the_temporary_file_of_another_live_process_alone(tmp_path):
+    """A save in flight beside this run (another live process of this host) keeps its file; a dead one's goes."""
+    state, cfg = make_state()
+    writer, gone = subprocess.Popen(["sleep", "600"]), subprocess.Popen(["true"])
+    gone.wait()
+    try:
+        in_flight = tmp_path / f".step-00000009.pt.pid{writer.pid}.abc.tmp"
+        leftover = tmp_path / f".step-00000008.pt.pid{gone.pid}.abc.tmp"
+        for path in (in_flight, leftover):
+            path.write_bytes(b"half")
+        save_checkpoint(payload(state, cfg), tmp_path, step=1, keep_last=1, is_best=False)
+        assert in_flight.exists() and not leftover.exists()
+    finally:
+        writer.kill()
+        writer.wait()
+
+
 def test_a_folder_named_like_a_leftover_never_stops_a_save(tmp_path):
     """A '.*.tmp' folder in checkpoints/ (another tool's, or a deletion cut short) is no
     file of a save: saving and pruning go on beside it."""

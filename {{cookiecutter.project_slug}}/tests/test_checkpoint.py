@@ -611,7 +611,14 @@ def test_export_writes_weights_safetensors_a_program_and_the_settings_of_the_sam
     assert all(torch.equal(outputs[0], output) for output in outputs[1:])
 
 
-@pytest.mark.parametrize("umask, mode", [(0o002, 0o664), (0o022, 0o644), (0o077, 0o600)])
+@pytest.mark.parametrize(
+    "umask, mode",
+    [
+        (0o002, 0o664),
+        pytest.param(0o022, 0o644, marks=pytest.mark.slow),
+        pytest.param(0o077, 0o600, marks=pytest.mark.slow),
+    ],
+)
 def test_what_a_run_writes_honours_the_umask(tmp_path, umask, mode):
     """A group sharing the output folder (umask 002) can read the checkpoints and the config;
     a private umask keeps them private: files are created as by open(), never 0600 alone."""

@@ -189,7 +189,6 @@ def test_the_reference_settings_average_alike_on_1_and_2_processes_at_equal_effe
     assert any(not torch.equal(moved[name], tensor) for name, tensor in one.items())  # an average, not the weights
 
 
-@pytest.mark.quick
 def test_a_warmup_too_long_to_count_in_steps_is_one_line():
     with pytest.raises(ConfigError) as error:
         reference_config(None, ["ema.warmup_epochs=1e308"])

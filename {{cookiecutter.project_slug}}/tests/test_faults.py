@@ -166,7 +166,7 @@ def test_own_checkpoints_hold_no_unsafe_globals(tmp_path):
     "target, sig, workers",
     [
         ("worker", signal.SIGUSR1, 0),  # the one in a plain pytest run: a stop, its line, exit 75, a resume
-        ("worker", signal.SIGHUP, 0),  # a closed terminal
+        pytest.param("worker", signal.SIGHUP, 0, marks=pytest.mark.slow),  # a closed terminal
         pytest.param("worker", signal.SIGQUIT, 0, marks=pytest.mark.slow),  # Ctrl-\\
         pytest.param("agent", signal.SIGINT, 0, marks=pytest.mark.slow),
         # torchrun signals each rank's process group, SLURM each task's: DataLoader workers too

@@ -64,8 +64,8 @@ def test_a_log_dir_that_cannot_be_a_folder_is_one_line_before_any_process_starts
 @pytest.mark.parametrize(
     "stop",
     [
-        pytest.param(signal.SIGINT, marks=pytest.mark.slow),
-        signal.SIGHUP,
+        pytest.param(signal.SIGINT, marks=pytest.mark.slow),  # real launches: the slow tier (pytest -m slow)
+        pytest.param(signal.SIGHUP, marks=pytest.mark.slow),
         pytest.param(signal.SIGQUIT, marks=pytest.mark.slow),
     ],
     ids=["ctrl-c", "sighup", "sigquit"],

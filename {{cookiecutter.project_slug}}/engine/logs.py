@@ -183,11 +183,14 @@ def last_word(error: BaseException) -> tuple[str | None, int] | None:
             "DataLoader workers, or a machine with more memory"
         ), 1
 {%- endif %}
-    if isinstance(error, StoppedAtOnce):  # in training the first Ctrl-C asks for a stop with a checkpoint
-        line = "error: stopped at once by a second Ctrl-C; run the same command to continue from the last checkpoint"
+    if isinstance(error, KeyboardInterrupt):  # every rank got the signal: rank 0 says it
+        if isinstance(error, StoppedAtOnce):  # in training the first Ctrl-C asks for a stop with a checkpoint
+            line = (
+                "error: stopped at once by a second Ctrl-C; run the same command to continue from the last checkpoint"
+            )
+        else:  # a stop signal where no checkpoint is kept
+            line = "error: stopped by a signal before the end; nothing was written, run the same command again"
         return line if is_main() else None, 130  # as a shell reports a process ended by SIGINT
-    if isinstance(error, KeyboardInterrupt):  # a stop signal where no checkpoint is kept
-        return ("error: stopped by a signal before the end; nothing was written, run the same command again"), 130
     if not lost_peer(error):
         return None
     # Every survivor says it: rank 0 may be the process that died.

@@ -7,6 +7,7 @@ import functools
 {% if cookiecutter.launcher %}import json
 import os
 {% endif %}import re
+import signal
 import sys
 import time
 from pathlib import Path
@@ -16,6 +17,11 @@ from tqdm import tqdm
 from engine.distributed import PeerFailed, {{ 'flight_recorder_file, ' if cookiecutter.run_record }}get_rank, is_main, lost_peer
 from engine.errors import StoppedAtOnce, UsageError
 from engine.files import append_json_line, rewind_json_lines
+from engine.lifecycle import STOP_SIGNALS
+
+# A rank that leaves the saying to another waits this long before it exits: exiting first,
+# it would have the launcher (torchrun, srun --kill-on-bad-exit) stop that rank before its line is out.
+QUIET_RANK_WAIT_S = 3.0
 
 
 def log(message: str) -> None:
@@ -163,9 +169,19 @@ def report_errors(main):
 {%- if cookiecutter.launcher %}
                 hand_to_launcher(line, exit_code)
 {%- endif %}
+            else:
+                wait_for_the_rank_that_says_it()
             raise SystemExit(exit_code) from None
 
     return wrapper
+
+
+def wait_for_the_rank_that_says_it() -> None:
+    """Until the launcher, seeing that rank exit, stops this one (at once: the stop signals
+    are back to their default), or QUIET_RANK_WAIT_S."""
+    for stop_signal in STOP_SIGNALS:
+        signal.signal(stop_signal, signal.SIG_DFL)
+    time.sleep(QUIET_RANK_WAIT_S)
 
 
 def last_word(error: BaseException) -> tuple[str | None, int] | None:

@@ -28,7 +28,9 @@ from conftest import (
     free_port,
     last_wins,
     machinery_project,
+    project_with,
     read_metrics,
+    replaced,
     run_script,
     start_script,
     strategy_args,
@@ -440,6 +442,17 @@ def one_error_line(result):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
     assert result.returncode != 0 and len(errors) == 1, result.stderr
     return errors[0]
+
+
+def test_the_line_of_an_error_every_rank_raises_is_out_even_when_rank_0_is_the_last_to_raise_it(tmp_path):
+    # Rank 0 reaches the bad value a second after rank 1: were rank 1 to exit at once, the
+    # launcher would stop rank 0 before it says why.
+    start = "    args = parse_args(argv)\n"
+    late_rank_0 = start + "    time.sleep(1.5 if is_main() else 0)\n"
+    project = project_with(tmp_path, {"train.py": lambda text: replaced(text, [(start, late_rank_0)])})
+    args = [*FAST, f"output_dir={tmp_path / 'run'}", "train.epochs=-1"]
+    result = run_script("train.py", args, nproc=2, check=False, cwd=project)
+    assert one_error_line(result) == "error: train.epochs must be > 0, got -1"
 
 
 @pytest.mark.slow  # the slow tier (pytest -m slow)

@@ -136,6 +136,23 @@ def template_sources() -> set[str]:
     return sources
 
 
+def manifest() -> dict:
+    """manifest.json: the files each yes/no answer owns."""
+    return json.loads((TEMPLATE_ROOT / "manifest.json").read_text())
+
+
+def owned_files() -> dict[str, list[str]]:
+    """Each yes/no answer of the manifest, with the files it owns."""
+    entries = manifest()
+    return {**entries["parts"], **entries["extras"]}
+
+
+def unchosen_files(answers: dict) -> str:
+    """The files the answers `no` delete, as JSON, for hooks/post_gen_project.py."""
+    unchosen = [path for answer, paths in owned_files().items() if not answers[answer] for path in paths]
+    return json.dumps(sorted(unchosen))
+
+
 def shown(answer: object) -> str:
     """An answer as it was given, bounded: it is quoted in a one-line error."""
     if not isinstance(answer, str):
@@ -261,6 +278,7 @@ class SafeStringsExtension(Extension):
             one_line=one_line,
             answers_json=answers_json,
             refuse_bad_answers=refuse_bad_answers,
+            unchosen_files=unchosen_files,
         )
         self.trusted = template_sources()
         self.literals = {}

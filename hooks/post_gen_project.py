@@ -1,51 +1,16 @@
 """Removes what was not chosen, then prints the next steps. Runs inside the new project."""
 
+import json
 from pathlib import Path
 
 # The slug was checked by pre_gen_project.py: a plain identifier, safe in quotes.
 SLUG = "{{ cookiecutter.project_slug }}"
-CI_WORKFLOW = "{{ cookiecutter.ci_workflow }}" == "True"
 SLURM_SCRIPT = "{{ cookiecutter.slurm_script }}" == "True"
 TENSORBOARD = "{{ cookiecutter.tensorboard }}" == "True"
-
-# Each optional part (engine/parts): its answer, and the files that are all of it.
-PARTS = {
-    "ema": "{{ cookiecutter.ema }}" == "True",
-    "early_stopping": "{{ cookiecutter.early_stopping }}" == "True",
-    "freezing": "{{ cookiecutter.freezing }}" == "True",
-    "profiler": "{{ cookiecutter.profiler }}" == "True",
-    "tracking": "{{ cookiecutter.tracking }}" == "True",
-    "memory_report": "{{ cookiecutter.memory_report }}" == "True",
-    "throughput": "{{ cookiecutter.throughput }}" == "True",
-    "run_record": "{{ cookiecutter.run_record }}" == "True",
-    "host_tuning": "{{ cookiecutter.host_tuning }}" == "True",
-    "pretrained": "{{ cookiecutter.pretrained }}" == "True",
-    "launcher": "{{ cookiecutter.launcher }}" == "True",
-    "sweep": "{{ cookiecutter.sweep }}" == "True",
-    "fsdp": "{{ cookiecutter.fsdp }}" == "True",
-}
-PART_FILES = {
-    "ema": ["engine/parts/ema.py", "tests/test_ema.py", "docs/ema.md"],
-    "early_stopping": ["engine/parts/early_stopping.py", "tests/test_early_stopping.py", "docs/early-stopping.md"],
-    "freezing": ["engine/parts/freeze.py", "tests/test_freezing.py", "docs/freezing.md"],
-    "profiler": ["engine/parts/profiler.py", "tests/test_profiling.py", "docs/profiler.md"],
-    "tracking": ["engine/parts/tracking.py", "tests/test_trackers.py", "tests/test_tensorboard.py", "docs/tracking.md"],
-    "memory_report": ["engine/parts/memory.py", "tests/test_memory_report.py", "docs/memory.md"],
-    "throughput": ["engine/throughput.py", "tests/test_throughput.py"],
-    "run_record": ["engine/run_record.py", "tests/test_run_record.py"],
-    "host_tuning": ["engine/host.py", "tests/test_host.py"],
-    "pretrained": ["engine/pretrained.py", "tests/test_pretrained.py", "docs/pretrained.md"],
-    "launcher": ["engine/launch.py", "tests/test_launcher.py"],  # a tool, not a Part
-    "sweep": ["sweep.py", "engine/supervisor.py", "tests/test_sweep.py"],  # a tool too
-    "fsdp": [
-        "engine/parts/fsdp.py",
-        "engine/sharded.py",
-        "tests/test_fsdp.py",
-        "tests/test_fsdp_tied.py",
-        "tests/sharded_setup.py",
-        "docs/fsdp.md",
-    ],
-}
+LAUNCHER = "{{ cookiecutter.launcher }}" == "True"
+TRACKING = "{{ cookiecutter.tracking }}" == "True"
+# What the answers no delete: the files manifest.json lists for each (local_extensions.py).
+UNCHOSEN_FILES = json.loads({{ cookiecutter | unchosen_files | py_str }})
 
 
 def remove(path: str) -> None:
@@ -59,18 +24,12 @@ def remove(path: str) -> None:
 
 
 def remove_unchosen() -> None:
-    if not CI_WORKFLOW:
-        remove(".github/workflows/ci.yml")
-    if not SLURM_SCRIPT:
-        remove("scripts/slurm/train.sbatch")
-    for part, chosen in PARTS.items():
-        if not chosen:
-            for path in PART_FILES[part]:
-                remove(path)
+    for path in UNCHOSEN_FILES:
+        remove(path)
 
 
 def next_steps() -> str:
-    launch = "python -m engine.launch" if PARTS["launcher"] else "torchrun"
+    launch = "python -m engine.launch" if LAUNCHER else "torchrun"
     lines = [
         f"Created {SLUG}/. Next steps:",
         "",
@@ -82,7 +41,7 @@ def next_steps() -> str:
         "  python train.py                                     # or a single process",
         "  pytest                                              # the project's own tests",
     ]
-    if TENSORBOARD and PARTS["tracking"]:
+    if TENSORBOARD and TRACKING:
         lines.append("  tensorboard --logdir runs                           # the curves")
     if SLURM_SCRIPT:
         lines.append("  sbatch scripts/slurm/train.sbatch                   # on a SLURM cluster")

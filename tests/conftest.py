@@ -11,23 +11,11 @@ from cookiecutter.main import cookiecutter
 
 TEMPLATE = Path(__file__).resolve().parents[1]
 CHOICES = json.loads((TEMPLATE / "cookiecutter.json").read_text())
-# The optional parts (engine/parts, and the launcher engine/launch.py), each a yes/no
-# answer; all "no" bakes the smallest project.
-PART_ANSWERS = (
-    "ema",
-    "early_stopping",
-    "freezing",
-    "profiler",
-    "tracking",
-    "memory_report",
-    "throughput",
-    "run_record",
-    "host_tuning",
-    "pretrained",
-    "launcher",
-    "sweep",
-    "fsdp",
-)
+# manifest.json: the files each yes/no answer owns. Its parts are the optional features
+# (engine/parts, and tools such as the launcher); all "no" bakes the smallest project.
+MANIFEST = json.loads((TEMPLATE / "manifest.json").read_text())
+OWNED_FILES = {**MANIFEST["parts"], **MANIFEST["extras"]}
+PART_ANSWERS = tuple(MANIFEST["parts"])
 WITHOUT_PARTS = dict.fromkeys(PART_ANSWERS, "no")
 BIN = Path(sys.executable).parent  # this environment's python, ruff, pytest, cruft, pre-commit
 TOOLS_ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}  # them first on PATH

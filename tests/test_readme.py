@@ -4,7 +4,7 @@ link leading to a page; without a part, no line about it outside its own page.""
 import re
 
 import pytest
-from conftest import CHOICES, bake
+from conftest import CHOICES, OWNED_FILES, PART_ANSWERS, bake
 
 MAX_README_LINES = 250
 
@@ -25,6 +25,15 @@ PARTS = {
     "fsdp": ("fsdp.md", r"\bfsdp|sharded"),
 }
 ALL_PARTS_OFF = {answer: "no" for answer in PARTS}
+
+
+def test_each_parts_page_is_the_one_its_manifest_entry_owns():
+    assert set(PARTS) == set(PART_ANSWERS)
+    for answer, (page, _) in PARTS.items():
+        owned = [path for path in OWNED_FILES[answer] if path.startswith("docs/")]
+        assert owned == ([f"docs/{page}"] if page else []), answer
+
+
 # Each task with every part and with none; and the default task without one part at a time,
 # where the other parts' pages may speak of it.
 VARIANTS = [(task, answers) for task in CHOICES["task"] for answers in ({}, ALL_PARTS_OFF)] + [

@@ -285,36 +285,6 @@ def test_the_core_of_a_bake_without_parts_names_none_of_them(tmp_path):
     assert named == []
 
 
-def part_hooks(project) -> set[str]:
-    """The names `engine.Part` defines in this bake."""
-    tree = ast.parse((project / "engine" / "parts" / "__init__.py").read_text())
-    part = next(node for node in tree.body if isinstance(node, ast.ClassDef) and node.name == "Part")
-    names = {node.name for node in part.body if isinstance(node, ast.FunctionDef)}
-    return names | {
-        target.id
-        for node in part.body
-        if isinstance(node, ast.Assign | ast.AnnAssign)
-        for target in (node.targets if isinstance(node, ast.Assign) else [node.target])
-        if isinstance(target, ast.Name)
-    }
-
-
-@pytest.mark.parametrize("answer", PART_ANSWERS)
-def test_one_part_answered_no_leaves_no_dangling_name_or_hook(tmp_path, answer):
-    """A "no" cuts code in many files: with one part off and the others on, every name
-    still resolves (ruff's undefined and unused names) and every hook the code calls on a
-    part (`part.x`) is one that Part still defines."""
-    project = bake(tmp_path, **{answer: "no"})
-    lint = subprocess.run(
-        [str(BIN / "ruff"), "check", "--select", "F", "."], cwd=project, capture_output=True, text=True
-    )
-    assert lint.returncode == 0, lint.stdout[-3000:]
-    hooks = part_hooks(project)
-    sources = [*(project / "engine").rglob("*.py"), project / "train.py", project / "evaluate.py"]
-    called = {(path.name, name) for path in sources for name in re.findall(r"\bpart\.(\w+)", path.read_text())}
-    assert [f"{file}: part.{name}" for file, name in sorted(called) if name not in hooks] == []
-
-
 @pytest.mark.parametrize("launcher", ["yes", "no"])
 def test_the_printed_next_steps_launch_as_the_readme_does(tmp_path, launcher):
     result = subprocess.run(

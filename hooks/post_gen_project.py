@@ -1,6 +1,7 @@
 """Removes what was not chosen, then prints the next steps. Runs inside the new project."""
 
 import json
+import os
 from pathlib import Path
 
 # The slug was checked by pre_gen_project.py: a plain identifier, safe in quotes.
@@ -12,6 +13,26 @@ TRACKING = "{{ cookiecutter.tracking }}" == "True"
 # What the answers no delete: the files manifest.json lists for each (local_extensions.py).
 UNCHOSEN_FILES = json.loads({{ cookiecutter | unchosen_files | py_str }})
 
+# Each example task is a folder of tasks/: the chosen one's files go to their places, and
+# the machinery's tests get the classification example, with this project's train.py and
+# recipe.py, as a frozen copy in tests/reference_task/.
+TASK = "{{ cookiecutter.task }}"
+TASKS = ("classification", "detection", "segmentation")
+TASK_FILES = {
+    "model.py": "model.py",
+    "data.py": "data.py",
+    "synthetic_data.py": "synthetic_data.py",
+    "config.yaml": "config.yaml",
+    "test_task.py": "tests/test_task.py",
+    "test_data.py": "tests/test_data.py",
+}
+REFERENCE_TASK = "classification"
+FROZEN = {
+    **dict.fromkeys(("model.py", "data.py", "synthetic_data.py", "config.yaml"), "the example task"),
+    "train.py": "the project's train.py",
+    "recipe.py": "the project's recipe.py",
+}
+
 
 def remove(path: str) -> None:
     """Remove one of the template's files, then its folders if that left them empty (a
@@ -21,6 +42,20 @@ def remove(path: str) -> None:
     for folder in file.parents[:-1]:  # up to, not including, the project folder
         if folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()
+
+
+def place_task() -> None:
+    reference = Path("tests", "reference_task")
+    reference.mkdir(exist_ok=True)
+    for name, what in FROZEN.items():
+        source = Path("tasks", REFERENCE_TASK, name) if name in TASK_FILES else Path(name)
+        header = f"# {what[0].upper()}{what[1:]}, frozen: the machinery's tests run it (tests/conftest.py).\n"
+        (reference / name).write_text(header + source.read_text())
+    for name, place in TASK_FILES.items():
+        os.replace(Path("tasks", TASK, name), place)
+    for task in TASKS:  # the others' files, one by one: a folder of the user's own stays
+        for name in TASK_FILES:
+            remove(f"tasks/{task}/{name}")
 
 
 def remove_unchosen() -> None:
@@ -51,5 +86,6 @@ def next_steps() -> str:
 
 
 if __name__ == "__main__":
+    place_task()
     remove_unchosen()
     print("\n" + next_steps() + "\n")

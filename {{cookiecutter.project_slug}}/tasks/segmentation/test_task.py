@@ -17,6 +17,9 @@ from conftest import (
     run_script,
 )
 
+# What these tests do not look at: the tracking part's TensorBoard curves.
+QUIET = ["tracking.tensorboard=false"] if (PROJECT / "engine" / "parts" / "tracking.py").exists() else []
+
 # The task at a small scale for the exactness tests: seconds per run.
 SMALL_TASK = [
     "data.image_size=32",
@@ -25,9 +28,7 @@ SMALL_TASK = [
     "train.batch_size=8",
     "train.epochs=2",
     "train.num_workers=0",
-{%- if cookiecutter.tracking %}
-    "tracking.tensorboard=false",
-{%- endif %}
+    *QUIET,
 ]
 
 
@@ -43,9 +44,7 @@ SMALL_DEFAULT_RUN = [
     "data.val_size=64",
     "train.epochs=3",
     "train.num_workers=0",
-{%- if cookiecutter.tracking %}
-    "tracking.tensorboard=false",
-{%- endif %}
+    *QUIET,
 ]
 
 

@@ -15,11 +15,26 @@ What train.py and evaluate.py use from here:
 - `build_predict_set(cfg, source) -> dataset` (for predict.py): new inputs, pre-processed
   as validation samples are, each with its name: here (image tensor, file path) for every
   image file under the folder `source`.
-{% include "tasks/data_hooks.txt" %}
+- `build_augment(cfg, train_set) -> augment(batch) -> batch` (optional): called once, it
+  returns the function that augments each whole training batch (e.g. torchvision's
+  v2.MixUp or v2.CutMix, built here with what it needs of the data, such as its classes), on
+  the device, before `training_step`; validation and prediction batches never pass through it.
+- `train_order(num_samples, generator, cfg) -> indices` (optional): the epoch's order of
+  training samples over all processes instead of a random permutation of them, e.g. each
+  index repeated `cfg.data.repeats` times (a key you add to DataConfig: repeated
+  augmentation); integer indices, in a list or a 1-D tensor. Draw from `generator`,
+  seeded per epoch: every process must give the same order (checked once an epoch), and
+  `torch.randperm(num_samples, generator=generator)` is the built-in order itself. The
+  machinery deals it out to the processes in whole steps and resumes in it.
+
 Rules that keep distributed training correct:
 - `__getitem__` returns fresh tensors, never an object the dataset keeps.
 - Keep per-sample metadata in tensors or arrays, not Python lists of objects.
-{% include "tasks/randomness.txt" %}- Nothing here is distributed: samplers and loaders are the machinery's.
+- Randomness lives in two places, both drawn from torch and seeded by the machinery, so
+  they repeat exactly on resume: a sample's transforms (seeded per sample: never repeated
+  across ranks or workers) and `build_augment`'s function (seeded per training batch). Not in
+  `collate_fn`, which validation batches pass through too.
+- Nothing here is distributed: samplers and loaders are the machinery's.
 """
 
 import os

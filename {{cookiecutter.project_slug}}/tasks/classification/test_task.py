@@ -17,6 +17,9 @@ from conftest import (
     run_script,
 )
 
+# What these tests do not look at: the tracking part's TensorBoard curves.
+QUIET = ["tracking.tensorboard=false"] if (PROJECT / "engine" / "parts" / "tracking.py").exists() else []
+
 # The task at a small scale for the exactness tests: seconds per run. These are the example's
 # settings (data.* sizes are synthetic data's): with your own data, set what makes a run short.
 SMALL_TASK = [
@@ -29,9 +32,7 @@ SMALL_TASK = [
     "train.batch_size=16",
     "train.epochs=2",
     "train.num_workers=0",
-{%- if cookiecutter.tracking %}
-    "tracking.tensorboard=false",
-{%- endif %}
+    *QUIET,
 ]
 
 
@@ -51,9 +52,7 @@ SMALL_DEFAULT_RUN = [
     "train.batch_size=32",
     "train.epochs=4",
     "train.num_workers=0",
-{%- if cookiecutter.tracking %}
-    "tracking.tensorboard=false",
-{%- endif %}
+    *QUIET,
 ]
 
 

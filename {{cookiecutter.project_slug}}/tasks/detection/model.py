@@ -4,15 +4,21 @@ What train.py and evaluate.py use from here:
 - `ModelConfig`: the `model:` section of config.yaml, each key with its default.
 - `build_model(cfg) -> nn.Module`: a plain module, unaware of distribution: the
   machinery converts BatchNorm to SyncBatchNorm, moves it to the device and wraps it
-  in DDP{% if cookiecutter.fsdp %} or FSDP. Under FSDP, ranks other than 0 build it on the meta device (no memory)
-  and receive rank 0's weights: it may create tensors but not read their values{% endif %}.
-{% include "tasks/steps.txt" %}  the validation metrics (engine.metrics: `Mean`, `Sum`, or `Gathered`), updated batch by
+  in DDP, or FSDP (the fsdp part). Under FSDP, ranks other than 0 build it on the meta device (no memory)
+  and receive rank 0's weights: it may create tensors but not read their values.
+- `training_step(model, batch, cfg) -> loss`: the loss of one batch (a tensor), or a dict
+  of named losses: backward runs on their sum, and each is logged as `train_<name>`.
+  `cfg` is the run's config (e.g. cfg.model.<your setting>): keep settings and helper
+  objects there or in this module, not as attributes of the model, where a module (a
+  torchvision transform is one) would become part of the model.
+- `build_metrics(cfg) -> {name: metric}` and `validation_step(model, batch, metrics, cfg)`:
+  the validation metrics (engine.metrics: `Mean`, `Sum`, or `Gathered`), updated batch by
   batch; each is reported as `val_<name>`, exact over the whole validation set on any
   number of processes.
 - `predict_step(model, batch) -> [result, ...]` (for predict.py): one result per input of
   a batch from data.py's `build_predict_set`, each a dict that JSON can write.
 - `BLOCKS`: the repeated blocks of the model, the units that train.activation_checkpointing
-  recomputes{% if cookiecutter.fsdp %} and that FSDP shards{% endif %}.
+  recomputes, and that FSDP shards (the fsdp part).
 
 No `model_inputs`, so export.py --program refuses: torch.export cannot trace torchvision's
 detectors, whose number of boxes depends on the data.

@@ -4,19 +4,26 @@ What train.py and evaluate.py use from here:
 - `ModelConfig`: the `model:` section of config.yaml, each key with its default.
 - `build_model(cfg) -> nn.Module`: a plain module, unaware of distribution: the
   machinery converts BatchNorm to SyncBatchNorm, moves it to the device and wraps it
-  in DDP{% if cookiecutter.fsdp %} or FSDP. Under FSDP, ranks other than 0 build it on the meta device (no memory)
-  and receive rank 0's weights: it may create tensors but not read their values{% endif %}.
-{% include "tasks/steps.txt" %}  the validation metrics (engine.metrics: `Mean`, `Sum`, or `Gathered` for metrics that
+  in DDP, or FSDP (the fsdp part). Under FSDP, ranks other than 0 build it on the meta device (no memory)
+  and receive rank 0's weights: it may create tensors but not read their values.
+- `training_step(model, batch, cfg) -> loss`: the loss of one batch (a tensor), or a dict
+  of named losses: backward runs on their sum, and each is logged as `train_<name>`.
+  `cfg` is the run's config (e.g. cfg.model.<your setting>): keep settings and helper
+  objects there or in this module, not as attributes of the model, where a module (a
+  torchvision transform is one) would become part of the model.
+- `build_metrics(cfg) -> {name: metric}` and `validation_step(model, batch, metrics, cfg)`:
+  the validation metrics (engine.metrics: `Mean`, `Sum`, or `Gathered` for metrics that
   are not sums, such as AUROC or mAP), updated batch by batch; each is reported as
   `val_<name>`, exact over the whole validation set on any number of processes.
 - `predict_step(model, batch) -> [result, ...]` (for predict.py): one result per input of
   a batch from data.py's `build_predict_set`, each a dict that JSON can write.
 - `model_inputs(batch) -> tuple` (for export.py --program): what `model(...)` takes for a
   batch, from which torch.export traces the model.
-{% if cookiecutter.throughput %}- `count_items(batch) -> (unit, count)` (optional): the batch's size in the task's own
-  unit, reported per second beside samples (here pixels; tokens for a language model).
-{% endif %}- `BLOCKS`: the repeated blocks of the model, the units that train.activation_checkpointing
-  recomputes{% if cookiecutter.fsdp %} and that FSDP shards{% endif %}.
+- `count_items(batch) -> (unit, count)` (optional): the batch's size in the task's own
+  unit, reported per second beside samples by the throughput part (here pixels; tokens for
+  a language model).
+- `BLOCKS`: the repeated blocks of the model, the units that train.activation_checkpointing
+  recomputes, and that FSDP shards (the fsdp part).
 
 A batch is what data.py's dataset (and its `collate_fn`, if any) makes, already on the
 device. Both steps run under autocast when train.precision is bf16 or fp16.
@@ -115,12 +122,12 @@ def validation_step(model: nn.Module, batch, metrics: dict, cfg) -> None:
     metrics["acc"].update((logits.argmax(dim=1) == labels).float())
 
 
-{% if cookiecutter.throughput %}def count_items(batch) -> tuple[str, int]:
+def count_items(batch) -> tuple[str, int]:
     images, _ = batch
     return "pixels", images.shape[0] * images.shape[-2] * images.shape[-1]
 
 
-{% endif %}def predict_step(model: nn.Module, batch) -> list[dict]:
+def predict_step(model: nn.Module, batch) -> list[dict]:
     images, paths = batch
     scores, labels = model(images).float().softmax(dim=1).max(dim=1)
     # label: the class's index, in the sorted class folder names of data.root/train/.

@@ -1,1 +1,0 @@
-{% include "tasks/" ~ cookiecutter.task ~ "/synthetic_data.py" %}

@@ -42,7 +42,7 @@ def main():
     torch.manual_seed(cfg.seed)
     model = build_model(cfg)
     trained = DDP(model) if world > 1 else model
-    # With the freezing answer, build_optimizer also takes the parameters that join later (none here).
+    # build_optimizer takes the parameters that join later (none here); bakes before 0.9.0 without freezing did not.
     joins_later = [{}] if "joins_later" in inspect.signature(build_optimizer).parameters else []
     optimizer = build_optimizer(model, cfg, world, *joins_later)
     scheduler = build_scheduler(optimizer, cfg, len(loader))

@@ -3,16 +3,14 @@
 The run calls `build_optimizer` once and `build_scheduler` once, and then only
 `optimizer.step()` (through the GradScaler), `optimizer.zero_grad()`, `scheduler.step()`
 once per optimizer step, and their `state_dict()`s. So any `torch.optim.Optimizer` and any
-scheduler work here: mixed precision, accumulation, clipping, checkpoints{{ ", bitwise resume
-and FSDP go on working" if cookiecutter.fsdp else " and bitwise
-resume go on working" }}. Settings go in `OptimConfig` (config.yaml's `optim:` section).
-{%- if cookiecutter.freezing %}
+scheduler work here: mixed precision, accumulation, clipping, checkpoints, bitwise resume
+and sharding go on working. Settings go in `OptimConfig` (config.yaml's `optim:` section).
 
 What the run tells the recipe: `joins_later` maps the names of parameters that are frozen
-now but trained from a later optimizer step (freeze.epochs) to that step. Put them in the
-optimizer now (without a gradient it skips them), or they are never trained. The default
-puts them in groups of their own whose warmup starts again at that step.
-{%- endif %}
+now but trained from a later optimizer step (freeze.epochs, a part's setting) to that
+step; it is empty when no part freezes any. Put them in the optimizer now (without a
+gradient it skips them), or they are never trained. The default puts them in groups of
+their own whose warmup starts again at that step.
 
 The default recipe: optim.lr is the rate for an effective batch of optim.reference_batch
 samples; a run with another effective batch (batch_size x processes x accum_steps) scales
@@ -60,7 +58,6 @@ class OptimConfig:
         check_at_most("optim.warmup_epochs", self.warmup_epochs, 10**6)
         if self.warmup_steps is not None:
             check_positive("optim.warmup_steps", self.warmup_steps, allow_zero=True)
-{%- if cookiecutter.freezing %}
 
 
 def build_optimizer(model: nn.Module, cfg, world_size: int, joins_later: dict[str, int]) -> torch.optim.Optimizer:
@@ -76,18 +73,6 @@ def build_optimizer(model: nn.Module, cfg, world_size: int, joins_later: dict[st
             if chosen or first_step == 0:  # torch's loader takes at most one empty group
                 weight_decay = cfg.optim.weight_decay if decayed else 0.0
                 groups.append({"params": chosen, "weight_decay": weight_decay, "first_step": first_step})
-{%- else %}
-
-
-def build_optimizer(model: nn.Module, cfg, world_size: int) -> torch.optim.Optimizer:
-    """Two parameter groups: with weight decay, and without it for biases and norm weights
-    (1-D tensors), which decay only hurts."""
-    trained = [p for p in model.parameters() if p.requires_grad]
-    groups = [
-        {"params": [p for p in trained if p.ndim > 1], "weight_decay": cfg.optim.weight_decay},
-        {"params": [p for p in trained if p.ndim <= 1], "weight_decay": 0.0},
-    ]
-{%- endif %}
     lr = scaled_lr(cfg, world_size)
     if cfg.optim.name == "sgd":
         return torch.optim.SGD(groups, lr=lr, momentum=cfg.optim.momentum)
@@ -95,7 +80,6 @@ def build_optimizer(model: nn.Module, cfg, world_size: int) -> torch.optim.Optim
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg, steps_per_epoch: int | None):
-{%- if cookiecutter.freezing %}
     """Each group's lr: base lr x lr_factor, from the group's first step. `steps_per_epoch`
     is None for a stream."""
     check_stream_settings(cfg, steps_per_epoch)
@@ -105,11 +89,6 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg, steps_per_epoch: int 
 
     factors = [factor_from(group.get("first_step", 0)) for group in optimizer.param_groups]
     return torch.optim.lr_scheduler.LambdaLR(optimizer, factors)
-{%- else %}
-    """The lr: base lr x lr_factor. `steps_per_epoch` is None for a stream."""
-    check_stream_settings(cfg, steps_per_epoch)
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, cfg, steps_per_epoch))
-{%- endif %}
 
 
 def scaled_lr(cfg, world_size: int) -> float:
@@ -142,10 +121,10 @@ def total_steps(cfg, steps_per_epoch: int | None) -> int:
     return cfg.train.max_steps or cfg.train.epochs * steps_per_epoch
 
 
-def lr_factor(step: int, cfg, steps_per_epoch: int{{ ', first_step: int = 0' if cookiecutter.freezing }}) -> float:
+def lr_factor(step: int, cfg, steps_per_epoch: int, first_step: int = 0) -> float:
     """Multiplier of the base lr at optimizer step `step` (0-based): a linear warmup, then the
-    schedule.{% if cookiecutter.freezing %} Parameters trained from `first_step` warm up again from there (a full lr at
-    once can throw the model off).{% endif %}"""
+    schedule. Parameters trained from `first_step` warm up again from there (a full lr at
+    once can throw the model off)."""
     optim = cfg.optim
     warmup = warmup_steps(optim, steps_per_epoch)
     if step < warmup:
@@ -157,11 +136,9 @@ def lr_factor(step: int, cfg, steps_per_epoch: int{{ ', first_step: int = 0' if 
     else:
         total = max(1, total_steps(cfg, steps_per_epoch) - warmup)
         factor = 0.5 * (1.0 + math.cos(math.pi * min(1.0, (step - warmup) / total)))
-{%- if cookiecutter.freezing %}
     if first_step:
         since = step - first_step
         factor *= 0.0 if since < 0 else min(1.0, (since + 1) / warmup) if warmup else 1.0
-{%- endif %}
     return factor
 
 

@@ -14,6 +14,7 @@ Exit codes: 0 done (or at train.stop_at_step); 75 stopped by a signal, run it ag
 import argparse
 import enum
 import functools
+import inspect
 {% if cookiecutter.host_tuning %}import gc
 {% endif %}import time
 from pathlib import Path
@@ -166,10 +167,10 @@ def load_train_objs(cfg, env, device, checkpointer: Checkpointer, parts: list, v
     model, train_model = build_and_wrap(build, cfg, env, device, BLOCKS{{ ', parts' if cookiecutter.fsdp }})
 {%- if cookiecutter.freezing %}
     joins_later = {name: step for part in parts for name, step in part.joins_later(model, steps).items()}
-    optimizer = recipe.build_optimizer(model, cfg, env.world_size, joins_later)
 {%- else %}
-    optimizer = recipe.build_optimizer(model, cfg, env.world_size)
+    joins_later = {}  # no part freezes parameters
 {%- endif %}
+    optimizer = build_optimizer(model, cfg, env.world_size, joins_later)
     scheduler = recipe.build_scheduler(optimizer, cfg, steps)
     scaler = build_grad_scaler(cfg.train.precision, device)
     guard = NonFiniteGuard(cfg.train, checkpointer.last_good, scheduler.base_lrs[0], device)
@@ -177,6 +178,18 @@ def load_train_objs(cfg, env, device, checkpointer: Checkpointer, parts: list, v
     for part in parts:
         state.register(part.name, part)
     return train_loader, val_loader, state
+
+
+def build_optimizer(model: nn.Module, cfg, world_size: int, joins_later: dict[str, int]):
+    """recipe.py's build_optimizer; one without `joins_later` (written before 0.9.0) is refused in one line."""
+    try:
+        inspect.signature(recipe.build_optimizer).bind(model, cfg, world_size, joins_later)
+    except TypeError:
+        raise UsageError(
+            "recipe.py's build_optimizer must take (model, cfg, world_size, joins_later): joins_later maps the "
+            "parameters that join training at a later step to that step (empty unless a part holds some back)"
+        ) from None
+    return recipe.build_optimizer(model, cfg, world_size, joins_later)
 
 
 def build_augment(cfg, train_set):

@@ -184,7 +184,7 @@ def leftovers(directory: Path) -> list[Path]:
     return found
 
 
-def load_checkpoint(path: str | Path{{ ", tensors: bool = True" if cookiecutter.fsdp }}) -> dict:
+def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
     """A checkpoint of this project on the CPU, anything else refused in one line{{ " (a folder's tensors\n    only with `tensors`: else load_weights reads them shard by shard)" if cookiecutter.fsdp }}."""
     path = Path(path)
     if path.is_dir():

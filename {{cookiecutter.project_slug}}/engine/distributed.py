@@ -171,7 +171,17 @@ OLDER_NAMES = {
 {%- endif %}
 
 
-def process_group_env(environ: Mapping[str, str]{{ ', trace_entries: int, trace_dir: Path | None' if cookiecutter.run_record }}) -> dict[str, str]:
+{%- if cookiecutter.run_record %}
+
+
+def process_group_env(
+    environ: Mapping[str, str], trace_entries: int = 0, trace_dir: Path | None = None
+) -> dict[str, str]:
+{%- else %}
+
+
+def process_group_env(environ: Mapping[str, str]) -> dict[str, str]:
+{%- endif %}
     """Variables set at launch win. TORCH_GLOO_LAZY_INIT: at 1,000 ranks tens of sockets a process, not ~2,000.{% if cookiecutter.run_record %}
     TORCH_FR_*: the flight recorder. Each rank keeps its last `trace_entries` collectives and writes them to
     `trace_dir`/rank_N when one times out (read them with `python -m torch.distributed.flight_recorder.fr_trace`).{% endif %}"""

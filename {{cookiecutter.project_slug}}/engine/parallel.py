@@ -18,7 +18,7 @@ def use_sync_batchnorm(requested: bool, device: torch.device, world_size: int) -
     return requested and device.type == "cuda" and world_size > 1
 
 
-def build_and_wrap(build, cfg: Config, env: DistEnv, device: torch.device, blocks{{ ', parts' if cookiecutter.fsdp }}):
+def build_and_wrap(build, cfg: Config, env: DistEnv, device: torch.device, blocks{{ ', parts=()' if cookiecutter.fsdp }}):
     """The model from `build()` (the task's build_model) ready to train, as (model,
     train_model): the module to save and evaluate, and the one to train (the same for one
     process). SyncBatchNorm, activation checkpointing, the move to the device, then DDP, in

@@ -32,6 +32,13 @@ from engine.checkpoint import load_checkpoint
 from engine.config import load_config
 
 PROJECT = Path(__file__).resolve().parents[1]
+
+
+def has(path: str) -> bool:
+    """Whether this project has `path`, e.g. an optional part's module (its answer no deletes it)."""
+    return (PROJECT / path).exists()
+
+
 REFERENCE_TASK = PROJECT / "tests" / "reference_task"
 
 # FSDP is a cookiecutter answer: without it (no engine/parts/fsdp.py, no fsdp: section),
@@ -57,9 +64,8 @@ FAST = [
     "optim.lr=0.1",
     "data.augment=false",
     "train.log_every_steps=4",
-{%- if cookiecutter.tracking %}
-    "tracking.tensorboard=false",  # the tests that read the curves turn it on
-{%- endif %}
+    # The tracking part's curves: the tests that read them turn them on.
+    *(["tracking.tensorboard=false"] if has("engine/parts/tracking.py") else []),
 ]
 
 
@@ -125,8 +131,9 @@ def machinery_project() -> Path:
     atexit.register(shutil.rmtree, root, ignore_errors=True)
     project = root / PROJECT.name
     shutil.copytree(PROJECT / "engine", project / "engine", ignore=shutil.ignore_patterns("__pycache__"))
-    for name in ("evaluate.py", "export.py", "predict.py"{{ ', "sweep.py"' if cookiecutter.sweep }}):
-        shutil.copy(PROJECT / name, project / name)
+    for name in ("evaluate.py", "export.py", "predict.py", "sweep.py"):
+        if has(name):  # sweep.py: the sweep part's
+            shutil.copy(PROJECT / name, project / name)
     for name in ("model.py", "data.py", "synthetic_data.py", "config.yaml", "train.py", "recipe.py"):
         shutil.copy(REFERENCE_TASK / name, project / name)
     return project

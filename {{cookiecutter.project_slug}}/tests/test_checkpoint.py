@@ -16,6 +16,7 @@ from conftest import (
     STRATEGIES,
     clean_env,
     command,
+    has,
     machinery_project,
     read_metrics,
     reference_config,
@@ -50,7 +51,7 @@ def make_state(seed=0):
     torch.manual_seed(seed)
     model = MLP(12, 8, 3)
     cfg = reference_config(None, ["optim.name=adamw"])
-    optimizer = RECIPE.build_optimizer(model, cfg, 1{{ ', {}' if cookiecutter.freezing }})
+    optimizer = RECIPE.build_optimizer(model, cfg, 1, {})
     model(torch.randn(4, 12)).sum().backward()
     optimizer.step()  # creates optimizer state tensors
     scheduler = RECIPE.build_scheduler(optimizer, cfg, steps_per_epoch=10)
@@ -249,12 +250,12 @@ def test_auto_resume_refuses_a_last_pt_that_links_elsewhere(tmp_path):
     result = run_script("train.py", [*args, "train.epochs=3"], check=False)
     assert result.returncode == 2 and "resumed from" not in result.stdout
     assert one_error_line(result) == (
-{%- if cookiecutter.fsdp %}
-        f"error: checkpoint '{directory / 'last.pt'}' links to '{old}', not to a step-*.dcp folder beside it; "
-{%- else %}
-        f"error: checkpoint '{directory / 'last.pt'}' is a link, but train.py writes it as a file; "
-{%- endif %}
-        "remove it to continue from the newest step checkpoint, or set checkpoint.resume=PATH"
+        (
+            f"error: checkpoint '{directory / 'last.pt'}' links to '{old}', not to a step-*.dcp folder beside it; "
+            if has("engine/parts/fsdp.py")  # the fsdp part's sharded runs link last.pt to a folder
+            else f"error: checkpoint '{directory / 'last.pt'}' is a link, but train.py writes it as a file; "
+        )
+        + "remove it to continue from the newest step checkpoint, or set checkpoint.resume=PATH"
     )
     assert {path.name: path.read_bytes() for path in step_checkpoints(directory)} == before
     assert [row["epoch"] for row in read_metrics(out)] == [0, 1]
@@ -262,16 +263,16 @@ def test_auto_resume_refuses_a_last_pt_that_links_elsewhere(tmp_path):
 
 @pytest.mark.parametrize("target", ["step-00000008.pt", "../checkpoints/step-00000008.dcp", "elsewhere.dcp"])
 def test_auto_resume_refuses_links_train_py_never_makes(tmp_path, target):
-    """A .pt run's last.pt is a hard link{{ "; a sharded run's a relative link to a step-*.dcp\n    folder beside it" if cookiecutter.fsdp }}. Any other link is refused, even one into the same folder."""
+    """A .pt run's last.pt is a hard link; a sharded run's (the fsdp part) a relative link to a
+    step-*.dcp folder beside it. Any other link is refused, even one into the same folder."""
     directory = tmp_path / "checkpoints"
     save_steps(directory, [8, 16])
     (directory / "last.pt").unlink()
     (directory / "last.pt").symlink_to(target)
-{%- if cookiecutter.fsdp %}
-    refused = r"links to '.*', not to a step-\*\.dcp folder beside it; remove it"
-{%- else %}
-    refused = r"is a link, but train.py writes it as a file; remove it"
-{%- endif %}
+    if has("engine/parts/fsdp.py"):
+        refused = r"links to '.*', not to a step-\*\.dcp folder beside it; remove it"
+    else:
+        refused = r"is a link, but train.py writes it as a file; remove it"
     with pytest.raises(CheckpointError, match=refused):
         load_resume_checkpoint(run_dir_config(tmp_path))
 
@@ -342,7 +343,7 @@ def other_formats(tmp_path) -> dict:
 
 def test_one_validation_refuses_other_formats_in_one_line(tmp_path):
     for path, reason in other_formats(tmp_path).values():
-        for load in (load_checkpoint, {{ "lambda p: load_checkpoint(p, tensors=False), " if cookiecutter.fsdp }}load_model_state):
+        for load in (load_checkpoint, lambda p: load_checkpoint(p, tensors=False), load_model_state):
             with pytest.raises(CheckpointError) as caught:
                 load(path)
             assert str(caught.value).startswith(f"checkpoint '{path}' {reason}"), str(caught.value)
@@ -569,11 +570,7 @@ def test_a_run_resumes_after_its_model_config_grew_a_defaulted_field(tmp_path):
     args = [*FAST, "data.train_size=128", f"output_dir={out}"]
     run_script("train.py", [*args, "train.epochs=1"], cwd=project)
     model_py = project / "model.py"
-{%- if cookiecutter.pretrained %}
-    old_field = '    pretrained: str = ""'
-{%- else %}
     old_field = "    dropout: float = 0.0  # mlp only"
-{%- endif %}
     assert old_field in model_py.read_text()
     model_py.write_text(model_py.read_text().replace(old_field, f"{old_field}\n    bias: bool = True", 1))
     result = run_script("train.py", [*args, "train.epochs=2"], cwd=project)

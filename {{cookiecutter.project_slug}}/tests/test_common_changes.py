@@ -35,7 +35,7 @@ class SignMomentum(torch.optim.Optimizer):
                 p.add_(state["velocity"].sign(), alpha=-group["lr"])
 
 
-def build_optimizer(model, cfg, world_size{{ ", joins_later" if cookiecutter.freezing }}):
+def build_optimizer(model, cfg, world_size, joins_later):
     return SignMomentum([p for p in model.parameters() if p.requires_grad], lr=0.01)
 
 
@@ -119,6 +119,18 @@ def test_a_change_in_one_user_file_trains_and_resumes_bitwise(tmp_path, change, 
         assert all(row["val_top2"] >= row["val_acc"] for row in rows_a)
     if change == "state":
         assert a["states"]["lr_tally"]["steps"] == 2 * STEPS_PER_EPOCH
+
+
+def test_a_recipe_without_joins_later_is_refused_in_one_line(tmp_path):
+    """build_optimizer's signature before 0.9.0, in a project generated without freezing."""
+    old = OWN_RECIPE.replace("world_size, joins_later):", "world_size):")
+    project = project_with(tmp_path, {"recipe.py": lambda text: text + old})
+    result = run_script("train.py", [*ARGS, f"output_dir={tmp_path / 'run'}"], nproc=2, check=False, cwd=project)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error: ")]
+    assert result.returncode != 0 and errors == [
+        "error: recipe.py's build_optimizer must take (model, cfg, world_size, joins_later): joins_later maps the "
+        "parameters that join training at a later step to that step (empty unless a part holds some back)"
+    ], result.stderr
 
 
 class Counter:

@@ -11,6 +11,7 @@ import yaml
 from conftest import (
     PROJECT,
     REFERENCE_TASK,
+    has,
     project_config,
     reference_config,
     reference_task,
@@ -619,13 +620,17 @@ def test_a_key_given_twice_on_the_command_line_is_refused():
         ("train.optimizer=adamw", "config key 'train.optimizer' moved to 'optim.name'; rename it"),
         ("train.lr=0.1", "config key 'train.lr' moved to 'optim.lr'; rename it"),
         ("train.warmup_epochs=2", "config key 'train.warmup_epochs' moved to 'optim.warmup_epochs'; rename it"),
-{%- if cookiecutter.fsdp %}
-        (
-            "train.strategy=fsdp",
-            "config key 'train.strategy' moved to 'fsdp.enabled'; "
-            "set fsdp.enabled=true for strategy fsdp, false for ddp",
+        *(
+            [  # the fsdp part's
+                (
+                    "train.strategy=fsdp",
+                    "config key 'train.strategy' moved to 'fsdp.enabled'; "
+                    "set fsdp.enabled=true for strategy fsdp, false for ddp",
+                )
+            ]
+            if has("engine/parts/fsdp.py")
+            else []
         ),
-{%- endif %}
         ("optim.lrr=0.1", "unknown config key 'optim.lrr' (did you mean 'optim.lr'?)"),
         ("train.compiled=true", "unknown config key 'train.compiled' (did you mean 'train.compile'?)"),
         ("model.lr=0.1", "unknown config key 'model.lr' (did you mean 'optim.lr'?)"),  # in another section

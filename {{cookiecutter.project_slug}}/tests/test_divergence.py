@@ -23,7 +23,7 @@ def make_state(tmp_path, precision="fp32", *overrides):
     cfg = reference_config(None, ["train.grad_clip=0", f"output_dir={tmp_path}", *overrides])
     model = torch.nn.Linear(3, 2)
     recipe = reference_task().recipe
-    optimizer = recipe.build_optimizer(model, cfg, 1{{ ', {}' if cookiecutter.freezing }})
+    optimizer = recipe.build_optimizer(model, cfg, 1, {})
     scheduler = recipe.build_scheduler(optimizer, cfg, steps_per_epoch=10)
     # An enabled scaler stands for fp16 on CUDA: on the CPU it skips and rescales alike.
     scaler = torch.amp.GradScaler("cpu", enabled=precision == "fp16")

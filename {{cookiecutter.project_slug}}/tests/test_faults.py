@@ -26,6 +26,7 @@ from conftest import (
     command,
     finish,
     free_port,
+    has,
     last_wins,
     machinery_project,
     project_with,
@@ -425,14 +426,13 @@ def test_a_lost_rank_fails_the_others_within_the_step_timeout_and_leaves_their_h
     assert "Traceback" not in stderr
     if fault == signal.SIGSTOP:  # a hang: gloo's own timeout, the step's, not the setup's
         assert "6000ms" in stderr, stderr
-{%- if cookiecutter.run_record %}
-    # The flight recorder: the survivor's last collectives, the failed one among them.
-    trace = output_dir / "flight_recorder" / "rank_0"
-    assert f"Its last collectives: {trace}." in stderr
-    entries = pickle.loads(trace.read_bytes())["entries"]
-    assert entries and all(entry["profiling_name"].startswith("gloo:") for entry in entries)
-    assert entries[-1]["state"] != "completed"
-{%- endif %}
+    if has("engine/run_record.py"):
+        # The run_record part's flight recorder: the survivor's last collectives, the failed one among them.
+        trace = output_dir / "flight_recorder" / "rank_0"
+        assert f"Its last collectives: {trace}." in stderr
+        entries = pickle.loads(trace.read_bytes())["entries"]
+        assert entries and all(entry["profiling_name"].startswith("gloo:") for entry in entries)
+        assert entries[-1]["state"] != "completed"
 
 
 # -- 7. bad input -----------------------------------------------------------------------------

@@ -2,8 +2,7 @@
 FSDP's memory is tested in test_fsdp.py, the per-rank report in test_memory_report.py."""
 
 import json
-{% if cookiecutter.memory_report %}import platform
-{% endif %}
+
 import pytest
 import torch
 
@@ -39,36 +38,6 @@ def test_every_load_during_resume_is_cpu_mapped_and_weights_only(tmp_path):
     calls = [call for rank in (0, 1) for call in json.loads((tmp_path / f"loads{rank}").read_text())]
     assert len(calls) >= 2
     assert all(call == {"map_location": "cpu", "weights_only": True} for call in calls), calls
-
-
-{%- if cookiecutter.memory_report %}
-
-
-HEAP_FIGURES = """
-import json, torch
-from engine.parts.memory import c_heap_mib
-{% if cookiecutter.host_tuning %}from engine.host import set_host_allocator
-
-set_host_allocator()
-{% endif %}before = c_heap_mib()
-held = [torch.ones(2**20) for _ in range(64)]  # 256 MiB of tensor storage in 4 MiB blocks
-holding = c_heap_mib()
-del held
-print(json.dumps([before, holding, c_heap_mib()]))
-"""
-
-
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallinfo2")
-def test_the_c_heap_figures_tell_a_leak_from_a_cache(tmp_path):
-    """heap_used counts what is handed out; what is freed and kept moves to heap_kept."""
-    script = tmp_path / "heap_figures.py"
-    script.write_text(HEAP_FIGURES)
-    result = run_script(str(script), [], env={"PYTHONPATH": str(machinery_project())})
-    before, holding, after = json.loads(result.stdout.splitlines()[-1])
-    assert holding["heap_used_mib"] - before["heap_used_mib"] > 250
-    assert abs(after["heap_used_mib"] - before["heap_used_mib"]) < 10
-    assert after["heap_kept_mib"] - before["heap_kept_mib"] > 200  # what set_host_allocator asks for
-{%- endif %}
 
 
 def saved_activation_bytes(model, x):

@@ -2,7 +2,9 @@
 GPU processes section, figures that stay flat over the epochs, and the line that ends a
 run out of host memory."""
 
+import json
 import os
+import platform
 import shlex
 import shutil
 import subprocess
@@ -222,3 +224,31 @@ def test_out_of_memory_is_one_line(capsys, what):
     assert stopped.value.code == 1
     err = capsys.readouterr().err
     assert err.startswith("error: out of host memory; use smaller data") and err.count("\n") == 1, err
+
+
+HEAP_FIGURES = """
+import importlib.util, json, torch
+from engine.parts.memory import c_heap_mib
+
+if importlib.util.find_spec("engine.host"):  # the host_tuning part: the steps' allocator settings
+    from engine.host import set_host_allocator
+
+    set_host_allocator()
+before = c_heap_mib()
+held = [torch.ones(2**20) for _ in range(64)]  # 256 MiB of tensor storage in 4 MiB blocks
+holding = c_heap_mib()
+del held
+print(json.dumps([before, holding, c_heap_mib()]))
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallinfo2")
+def test_the_c_heap_figures_tell_a_leak_from_a_cache(tmp_path):
+    """heap_used counts what is handed out; what is freed and kept moves to heap_kept."""
+    script = tmp_path / "heap_figures.py"
+    script.write_text(HEAP_FIGURES)
+    result = run_script(str(script), [], env={"PYTHONPATH": str(machinery_project())})
+    before, holding, after = json.loads(result.stdout.splitlines()[-1])
+    assert holding["heap_used_mib"] - before["heap_used_mib"] > 250
+    assert abs(after["heap_used_mib"] - before["heap_used_mib"]) < 10
+    assert after["heap_kept_mib"] - before["heap_kept_mib"] > 200  # what set_host_allocator asks for

@@ -18,8 +18,10 @@ import torch
 import yaml
 
 from conftest import FAST, load_checkpoint, machinery_project, reference_config, run_script
-from engine.distributed import DistEnv
+from engine.distributed import DistEnv, check_gloo_address, multi_node, process_group_env
+from engine.errors import UsageError
 from engine.run_record import commit_line, describe_run, git_state
+from test_distributed import SRUN_TASK
 
 RUN = [*FAST, "data.train_size=256", "train.epochs=1"]
 
@@ -188,3 +190,65 @@ def test_provenance_false_runs_no_git(tmp_path, monkeypatch):
     assert commit_line(record) == "git commit not recorded (provenance=false)"
     assert not marker.exists()
     assert reference_config(None, ["provenance=false"]).provenance is False
+
+
+# Multi-node jobs and the flight recorder's variables (engine/distributed.py's share of this part).
+
+
+def test_process_group_variables_connect_gloo_lazily_and_record_collectives():
+    trace_dir = Path("/runs/a/flight_recorder")
+    assert process_group_env({}, 2000, trace_dir) == {
+        "TORCH_GLOO_LAZY_INIT": "1",
+        "TORCH_FR_BUFFER_SIZE": "2000",
+        "TORCH_FR_DUMP_TEMP_FILE": "/runs/a/flight_recorder/rank_",
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+    }
+    # Off, or no place to write to (evaluate.py): only the lazy connections.
+    assert process_group_env({}, 0, trace_dir) == {"TORCH_GLOO_LAZY_INIT": "1"}
+    assert process_group_env({}, 2000, None) == {"TORCH_GLOO_LAZY_INIT": "1"}
+
+
+def test_process_group_variables_set_at_launch_win_under_either_name():
+    launch = {
+        "TORCH_GLOO_LAZY_INIT": "0",
+        "TORCH_NCCL_TRACE_BUFFER_SIZE": "10",
+        "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/",
+    }
+    assert process_group_env(launch, 2000, Path("/runs/a/fr")) == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+
+
+@pytest.mark.parametrize(
+    "environ, spans_hosts",
+    [
+        ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "8"}, False),
+        ({"WORLD_SIZE": "16", "LOCAL_WORLD_SIZE": "8"}, True),
+        ({**SRUN_TASK, "SLURM_STEP_NUM_NODES": "1", "SLURM_NNODES": "2"}, False),  # this step, not the job
+        ({**SRUN_TASK, "SLURM_NNODES": "2"}, True),
+        ({}, False),
+    ],
+)
+def test_multi_node_jobs_are_told_from_single_node_ones(environ, spans_hosts):
+    assert multi_node(environ) is spans_hosts
+
+
+@pytest.mark.parametrize(
+    "environ, name",
+    [
+        ({**SRUN_TASK, "SLURM_NNODES": "two"}, "SLURM_NNODES"),
+        ({**SRUN_TASK, "SLURM_STEP_NUM_NODES": "", "SLURM_NNODES": "2"}, "SLURM_STEP_NUM_NODES"),
+        ({"WORLD_SIZE": "8", "LOCAL_WORLD_SIZE": "x"}, "LOCAL_WORLD_SIZE"),
+        ({"WORLD_SIZE": "-8", "LOCAL_WORLD_SIZE": "8"}, "WORLD_SIZE"),
+    ],
+)
+def test_a_node_count_that_is_no_number_is_one_line(environ, name):
+    with pytest.raises(UsageError) as error:
+        multi_node(environ)
+    fix = "the launcher sets it to a whole number; unset yours"
+    assert str(error.value) == f"{name} is {environ[name]!r}, not a whole number: {fix}"
+
+
+def test_a_multi_node_job_on_a_loopback_host_name_is_told_to_set_gloo_socket_ifname():
+    with pytest.raises(UsageError, match=r"'localhost' resolves to 127\.0\.0\.1.*set GLOO_SOCKET_IFNAME"):
+        check_gloo_address("localhost", True, {})
+    check_gloo_address("localhost", False, {})  # one host: loopback reaches every rank
+    check_gloo_address("localhost", True, {"GLOO_SOCKET_IFNAME": "lo"})  # the user chose

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 
-from conftest import FAST, read_metrics, run_script
+from conftest import FAST, has, read_metrics, run_script
 
 wandb = pytest.importorskip("wandb", reason='needs pip install -e ".[wandb]"')
 pytest.importorskip("sqlalchemy", reason='needs pip install -e ".[mlflow]"')
@@ -59,11 +59,10 @@ def test_mlflow_records_config_curves_and_memory_in_one_run_across_a_resume(trac
     assert [(m.step, m.value) for m in val_loss] == [(row["step"], row["val_loss"]) for row in rows]
     train_loss = client.get_metric_history(run.info.run_id, "train/loss")
     assert sorted(m.step for m in train_loss) == list(range(4, 3 * STEPS_PER_EPOCH + 1, 4))  # both runs' steps
-{%- if cookiecutter.memory_report %}
-    memory = client.download_artifacts(run.info.run_id, f"memory/step_{STEPS_PER_EPOCH:08d}.json", str(root))
-    table = json.loads(open(memory).read())
-    assert len(table["rows"]) == 2 and table["rows"] == rows[0]["memory"]  # one row per rank
-{%- endif %}
+    if has("engine/parts/memory.py"):  # the memory_report part's table, per epoch
+        memory = client.download_artifacts(run.info.run_id, f"memory/step_{STEPS_PER_EPOCH:08d}.json", str(root))
+        table = json.loads(open(memory).read())
+        assert len(table["rows"]) == 2 and table["rows"] == rows[0]["memory"]  # one row per rank
 
 
 def test_wandb_records_config_and_curves_in_one_run_across_a_resume(tracked):
@@ -89,11 +88,10 @@ def test_wandb_records_config_and_curves_in_one_run_across_a_resume(tracked):
             logged.setdefault(key, {})[row.get("step")] = value
     assert sorted(logged["train/loss"]) == list(range(4, 3 * STEPS_PER_EPOCH + 1, 4))
     assert logged["val/loss"] == {row["step"]: row["val_loss"] for row in read_metrics(first)}
-{%- if cookiecutter.memory_report %}
-    epoch_ends = [row["step"] for row in read_metrics(first)]
-    assert logged["memory/_type"] == dict.fromkeys(epoch_ends, "table-file")  # the memory table, per epoch
-    assert logged["memory/nrows"] == dict.fromkeys(epoch_ends, 2)  # a row per rank
-{%- endif %}
+    if has("engine/parts/memory.py"):  # the memory_report part's table, per epoch
+        epoch_ends = [row["step"] for row in read_metrics(first)]
+        assert logged["memory/_type"] == dict.fromkeys(epoch_ends, "table-file")
+        assert logged["memory/nrows"] == dict.fromkeys(epoch_ends, 2)  # a row per rank
 
 
 def test_a_missing_tracker_package_is_one_line_before_training(tmp_path):

@@ -12,13 +12,14 @@ from conftest import (
     assert_one_epoch_trains_on_one_process,
     assert_resume_is_bitwise,
     evaluate_on_1_2_and_3_processes,
+    has,
     predict_on_1_and_2_processes,
     read_metrics,
     run_script,
 )
 
 # What these tests do not look at: the tracking part's TensorBoard curves.
-QUIET = ["tracking.tensorboard=false"] if (PROJECT / "engine" / "parts" / "tracking.py").exists() else []
+QUIET = ["tracking.tensorboard=false"] if has("engine/parts/tracking.py") else []
 
 # The task at a small scale for the exactness tests: seconds per run. These are the example's
 # settings (data.* sizes are synthetic data's): with your own data, set what makes a run short.

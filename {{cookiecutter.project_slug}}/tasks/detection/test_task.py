@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from conftest import (
+    has,
     PROJECT,
     assert_one_epoch_trains_on_one_process,
     assert_resume_is_bitwise,
@@ -20,7 +21,7 @@ from conftest import (
 from model import coco_map
 
 # What these tests do not look at: the tracking part's TensorBoard curves.
-QUIET = ["tracking.tensorboard=false"] if (PROJECT / "engine" / "parts" / "tracking.py").exists() else []
+QUIET = ["tracking.tensorboard=false"] if has("engine/parts/tracking.py") else []
 
 # The task at a small scale for the exactness tests: seconds per run.
 SMALL_TASK = [

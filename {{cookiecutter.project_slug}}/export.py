@@ -9,11 +9,10 @@ also writes model.pt2, a torch.export program traced from one batch of the valid
 set (model.py's `model_inputs` says what the model takes), its batch size left free:
 it runs without this project's code.
 
-{% if cookiecutter.fsdp %}Takes either kind of checkpoint: a .pt file, or the folder an FSDP run saves. It runs in
-one process and holds the whole model in host memory (never the optimizer state of a
-folder, which it does not read); started under torchrun, rank 0 alone writes. Load the
-result into the model you train:{% else %}It runs in one process and holds the whole model in host memory; started under torchrun,
-rank 0 alone writes. Load the result into the model you train:{% endif %}
+Takes either kind of checkpoint: a .pt file, or the folder an FSDP run saves (the fsdp
+part). It runs in one process and holds the whole model in host memory (never the
+optimizer state of a folder, which it does not read); started under torchrun, rank 0
+alone writes. Load the result into the model you train:
 
   model = build_model(cfg)
   model.load_state_dict(torch.load("model.pt", weights_only=True))
@@ -49,7 +48,9 @@ from recipe import OptimConfig
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--checkpoint", required=True, help="checkpoint: a .pt file{% if cookiecutter.fsdp %}, or a sharded checkpoint's folder{% endif %}")
+    parser.add_argument(
+        "--checkpoint", required=True, help="checkpoint: a .pt file, or a sharded checkpoint's folder (the fsdp part)"
+    )
     parser.add_argument("--out", required=True, help="the weights file to write (must not exist yet)")
     parser.add_argument("--program", action="store_true", help="also write a torch.export program (.pt2)")
     return parser.parse_args(argv)

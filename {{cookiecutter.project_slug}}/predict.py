@@ -3,7 +3,7 @@
   python predict.py --checkpoint runs/default/checkpoints/best.pt --inputs photos/ --out predictions.jsonl
   torchrun --nproc_per_node=4 predict.py --checkpoint export/model.safetensors --inputs photos/ --out predictions.jsonl
 
---checkpoint: a training checkpoint (a .pt file{% if cookiecutter.fsdp %}, or a sharded checkpoint's folder{% endif %}), or a
+--checkpoint: a training checkpoint (a .pt file, or a sharded checkpoint's folder: the fsdp part), or a
 file of weights export.py wrote (model.pt or model.safetensors) with its model.yaml
 beside it. Not export's program, model.pt2: loading one runs Python that torch makes from
 the file, so a hostile one runs code; its weights are in model.safetensors beside it.
@@ -78,7 +78,7 @@ def main(argv=None) -> None:
         raise already_exists(out)
     build_predict_set, predict_step = task_hooks()
     sections = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig}
-    ckpt = None if is_export(source) else load_checkpoint(source{{ ", tensors=False" if cookiecutter.fsdp }})  # a file's weights too
+    ckpt = None if is_export(source) else load_checkpoint(source, tensors=False)  # a file's weights too
     base = ckpt.get("config") if ckpt else None
     cfg = load_config(args.config or saved_settings(source), args.overrides, base=base, **sections)
     env, device = init_distributed_mode(cfg.dist)

@@ -14,9 +14,9 @@ Exit codes: 0 done (or at train.stop_at_step); 75 stopped by a signal, run it ag
 import argparse
 import enum
 import functools
-import inspect
 {% if cookiecutter.host_tuning %}import gc
-{% endif %}import time
+{% endif %}import inspect
+import time
 from pathlib import Path
 
 import torch.nn as nn
@@ -43,7 +43,7 @@ from engine.errors import UsageError
 from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
 from engine.logs import QuietLog, RunLog, {{ 'hand_to_launcher, ' if cookiecutter.launcher }}log, report_errors
 from engine.metrics import evaluate
-from engine.parallel import build_and_wrap, memory_format{{ ', wrap_again' if cookiecutter.freezing }}
+from engine.parallel import build_and_wrap, memory_format, wrap_ddp
 from engine.parts import build_parts
 {% if cookiecutter.run_record %}from engine.run_record import commit_line, describe_run, header, keep_output_in
 {% endif %}from engine.seeding import borrowed_rng, derive_seed, seed_everything, set_determinism
@@ -88,7 +88,7 @@ def main(argv=None) -> int:
     # What each step frees is kept for the next; set before the model is built, so that what
     # setup frees is handled the same way.
 {%- endif %}
-    set_host_allocator({{ 'parts' if cookiecutter.fsdp }})
+    set_host_allocator(parts)
 {%- endif %}
     lock, loaders = None, ()
     try:
@@ -155,7 +155,7 @@ def load_train_objs(cfg, env, device, checkpointer: Checkpointer, parts: list, v
     def build() -> nn.Module:
         model = build_model(cfg)
         for part in parts:
-            model = part.prepare_model(model)  # e.g. freeze.params' parameters frozen
+            model = part.prepare_model(model) or model  # e.g. freeze.params' parameters frozen
         return model
 {%- else %}
 
@@ -164,9 +164,9 @@ def load_train_objs(cfg, env, device, checkpointer: Checkpointer, parts: list, v
 {%- endif %}
 
     # SyncBatchNorm, device, DDP{{ "; or FSDP's sharding (no full copy on any device)" if cookiecutter.fsdp }}.
-    model, train_model = build_and_wrap(build, cfg, env, device, BLOCKS{{ ', parts' if cookiecutter.fsdp }})
+    model, train_model = build_and_wrap(build, cfg, env, device, BLOCKS, parts)
 {%- if cookiecutter.freezing %}
-    joins_later = {name: step for part in parts for name, step in part.joins_later(model, steps).items()}
+    joins_later = {name: step for part in parts for name, step in (part.joins_later(model, steps) or {}).items()}
 {%- else %}
     joins_later = {}  # no part freezes parameters
 {%- endif %}
@@ -334,13 +334,10 @@ class Run:
             if not rng_restored:  # a fresh epoch: dropout etc. seeded per (seed, rank, epoch)
                 seed_everything(derive_seed(cfg.seed, self.env.rank, state.epoch))
             rng_restored = False
-{%- if cookiecutter.freezing %}
             if any([part.start_epoch(state) for part in state.parts]):  # e.g. parameters unfrozen
-                state.train_model = wrap_again(state.model, cfg, self.env, state.device)
-{%- else %}
-            for part in state.parts:
-                part.start_epoch(state)
-{%- endif %}
+                # DDP fixes at construction which parameters it all-reduces: wrapped anew (the old
+                # wrapper, dropped, takes its gradient hooks with it).
+                state.train_model = wrap_ddp(state.model, cfg, self.env, state.device)
             outcome = self.train_epoch()
         if outcome is Outcome.STOPPED:
             self.save_stopped()
@@ -444,7 +441,7 @@ class Run:
         row = {"epoch": state.epoch, "step": state.step, **train_metrics, **val_metrics}
 {%- if cookiecutter.memory_report %}
         for part in state.parts:
-            row |= part.epoch_figures(state)  # e.g. every rank's memory
+            row |= part.epoch_figures(state) or {}  # e.g. every rank's memory
 {%- endif %}
         # outside_train_s: the evaluation's time{{ ", and the parts' (e.g. the memory report's)" if cookiecutter.memory_report }}.
         row |= {"lr": self.step_lr, "outside_train_s": time.perf_counter() - start}

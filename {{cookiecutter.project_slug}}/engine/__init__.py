@@ -12,17 +12,6 @@ from engine.metrics import Gathered, Mean, Sum
 from engine.parts import Part
 from engine.seeding import derive_seed
 
-__all__ = [
-    "ConfigError",
-    "Gathered",
-    "Mean",
-    "Part",
-    "Sum",
-    "TaskError",
-    "UsageError",
-    "check_at_most",
-    "check_choice",
-    "check_positive",
-    "derive_seed",
-    "effective_batch",
-]
+# What a task imports from here: errors, metrics and the Part protocol; then helpers.
+__all__ = ["ConfigError", "Gathered", "Mean", "Part", "Sum", "TaskError", "UsageError"]
+__all__ += ["check_at_most", "check_choice", "check_positive", "derive_seed", "effective_batch"]

@@ -514,7 +514,8 @@ class Checkpointer:
 {%- endif %}
 {%- if cookiecutter.ema %}
                 for part in state.parts:
-                    part.reset_weights()  # e.g. an average of the weights fine-tuning starts from
+                    if part.holds_weights:  # e.g. an average of the weights fine-tuning starts from
+                        part.reset_weights()
 {%- endif %}
                 if is_main():
                     log(f"initialised model weights from {init_from} (fine-tuning)")

@@ -25,9 +25,9 @@ def freeze_setup_objects() -> None:
     gc.freeze()
 
 
-def set_host_allocator({{ 'parts=()' if cookiecutter.fsdp }}) -> bool:
-    """Fix glibc's allocator thresholds for the training steps: {% if cookiecutter.fsdp %}a part's own settings
-    (`Part.host_allocator`, e.g. FSDP's), else {% endif %}STEPS_REUSE_FREED. Returns whether they
+def set_host_allocator(parts=()) -> bool:
+    """Fix glibc's allocator thresholds for the training steps: a part's own settings
+    (`Part.host_allocator`, e.g. FSDP's), else STEPS_REUSE_FREED. Returns whether they
     were set: not where the launch set them (MALLOC_*_, GLIBC_TUNABLES), nor with another C library.
 
     glibc's adaptive thresholds hand large freed blocks back to the kernel: each CPU step
@@ -40,9 +40,5 @@ def set_host_allocator({{ 'parts=()' if cookiecutter.fsdp }}) -> bool:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)  # the C library this process already runs on
-{%- if cookiecutter.fsdp %}
     settings = next((part.host_allocator for part in parts if part.host_allocator), STEPS_REUSE_FREED)
-{%- else %}
-    settings = STEPS_REUSE_FREED
-{%- endif %}
     return all([libc.mallopt(parameter, value) for parameter, value in settings.items()])

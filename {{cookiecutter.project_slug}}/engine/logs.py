@@ -19,10 +19,6 @@ from engine.errors import StoppedAtOnce, UsageError
 from engine.files import append_json_line, rewind_json_lines
 from engine.lifecycle import STOP_SIGNALS
 
-# A rank that leaves the saying to another waits this long before it exits: exiting first,
-# it would have the launcher (torchrun, srun --kill-on-bad-exit) stop that rank before its line is out.
-QUIET_RANK_WAIT_S = 3.0
-
 
 def log(message: str) -> None:
     """Print a line (above the progress bar, if one is showing)."""
@@ -169,19 +165,13 @@ def report_errors(main):
 {%- if cookiecutter.launcher %}
                 hand_to_launcher(line, exit_code)
 {%- endif %}
-            else:
-                wait_for_the_rank_that_says_it()
+            else:  # another rank says it: exiting first would have the launcher stop it before its line is out
+                for stop_signal in STOP_SIGNALS:  # the launcher's stop, once that rank exits, ends this one at once
+                    signal.signal(stop_signal, signal.SIG_DFL)
+                time.sleep(3)
             raise SystemExit(exit_code) from None
 
     return wrapper
-
-
-def wait_for_the_rank_that_says_it() -> None:
-    """Until the launcher, seeing that rank exit, stops this one (at once: the stop signals
-    are back to their default), or QUIET_RANK_WAIT_S."""
-    for stop_signal in STOP_SIGNALS:
-        signal.signal(stop_signal, signal.SIG_DFL)
-    time.sleep(QUIET_RANK_WAIT_S)
 
 
 def last_word(error: BaseException) -> tuple[str | None, int] | None:

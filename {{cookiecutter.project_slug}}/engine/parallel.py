@@ -1,5 +1,5 @@
 """How the model is spread over processes: SyncBatchNorm, activation checkpointing, and
-DDP (a full replica per process){{ ", unless a part builds and wraps it (FSDP: parts/fsdp.py)" if cookiecutter.fsdp }}."""
+DDP (a full replica per process), unless a part builds and wraps it (its own strategy, e.g. sharding)."""
 
 import functools
 
@@ -18,30 +18,26 @@ def use_sync_batchnorm(requested: bool, device: torch.device, world_size: int) -
     return requested and device.type == "cuda" and world_size > 1
 
 
-def build_and_wrap(build, cfg: Config, env: DistEnv, device: torch.device, blocks{{ ', parts=()' if cookiecutter.fsdp }}):
+def build_and_wrap(build, cfg: Config, env: DistEnv, device: torch.device, blocks, parts=()):
     """The model from `build()` (the task's build_model) ready to train, as (model,
     train_model): the module to save and evaluate, and the one to train (the same for one
     process). SyncBatchNorm, activation checkpointing, the move to the device, then DDP, in
-    that order: the wrapper must see the final modules on their device{{ "; or as a part builds it (FSDP)" if cookiecutter.fsdp }}."""
-{%- if cookiecutter.fsdp %}
+    that order: the wrapper must see the final modules on their device; or as a part builds it."""
     if (model := built_by_part(build, cfg, env, device, blocks, parts)) is not None:
         return model, torch.compile(model) if cfg.train.compile else model
-{%- endif %}
     model = prepare_modules(build(), cfg, env, device, blocks)
     model.to(device, memory_format=memory_format(cfg))
     return model, wrap_ddp(model, cfg, env, device)
-{%- if cookiecutter.fsdp %}
 
 
 def build_for_evaluation(build, cfg: Config, env: DistEnv, device: torch.device, blocks, parts) -> nn.Module:
-    """The model evaluate.py loads into: as a part builds it (FSDP: sharded), else on the device."""
+    """The model evaluate.py loads into: as a part builds it (e.g. sharded), else on the device."""
     model = built_by_part(build, cfg, env, device, blocks, parts)
     return build().to(device) if model is None else model
 
 
 def built_by_part(build, cfg: Config, env: DistEnv, device: torch.device, blocks, parts) -> nn.Module | None:
     return next((m for part in parts if (m := part.build_model(build, cfg, env, device, blocks)) is not None), None)
-{%- endif %}
 
 
 def prepare_modules(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device, blocks) -> nn.Module:
@@ -88,13 +84,6 @@ def wrap_ddp(model: nn.Module, cfg: Config, env: DistEnv, device: torch.device) 
     # Compile the DDP wrapper, not the inner module: DDP's graph-aware bucketing then
     # overlaps communication with the compiled backward.
     return torch.compile(model) if cfg.train.compile else model
-{%- if cookiecutter.freezing %}
-
-
-# For a model whose trainable parameters changed: DDP fixes at construction which ones it
-# all-reduces. The old wrapper, once dropped, takes its gradient hooks with it.
-wrap_again = wrap_ddp
-{%- endif %}
 
 
 class ModelDDP(DistributedDataParallel):

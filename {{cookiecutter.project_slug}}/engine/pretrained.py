@@ -16,11 +16,9 @@ SHOWN = 6  # fresh tensors named in the line; the rest are counted
 
 
 def load_pretrained(model: nn.Module, name: str) -> None:
-    """Where name and shape match; rank 0 says which stay fresh.{% if cookiecutter.fsdp %} On meta (FSDP), rank 0's come at setup.{% endif %}"""
-{%- if cookiecutter.fsdp %}
+    """Where name and shape match; rank 0 says which stay fresh. On meta (the fsdp part), rank 0's come at setup."""
     if any(p.is_meta for p in model.parameters()):
         return
-{%- endif %}
     try:
         path = Path(torch.hub.get_dir()) / "checkpoints" / Path(urlparse(get_weight(name).url).path).name
     except (ValueError, KeyError, AttributeError):

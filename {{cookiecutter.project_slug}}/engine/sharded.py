@@ -227,9 +227,7 @@ def save_folder(checkpointer, state, run_state: dict, is_best: bool) -> None:
             directory.mkdir(parents=True, exist_ok=True)
             checkpoint.remove(tmp)  # left by a save killed midway
     shards = sharded_state_dict(state.model, state.optimizer)
-{%- if cookiecutter.ema %}
     shards |= {part.name: part.weights() for part in state.parts if part.holds_weights}
-{%- endif %}
     final, revision = directory / f"step-{state.step:08d}.dcp", 0
     try:
         save_sharded(shards, tmp, final)  # raises on every rank alike

@@ -8,7 +8,7 @@ arithmetic of torchvision's recipe, whose AveragedModel copies while it holds no
 is reset through the lr's warmup epochs (tests/test_ema.py checks it against AveragedModel). ema.adjust reads
 ema.decay as torchvision's recipe does: 1 - (1 - decay) x effective batch x every_steps /
 train.epochs, the same share of the run at any number of processes. It covers the model's
-state dict (integer buffers copied){% if cookiecutter.fsdp %}, sharded like the model under FSDP{% endif %}; `swapped_into_model()`
+state dict (integer buffers copied), sharded like the model under FSDP (the fsdp part); `swapped_into_model()`
 exchanges it with the weights in place, exactly, so the same model evaluates either.
 """
 
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
-{% if cookiecutter.fsdp %}from torch.distributed.fsdp import FSDPModule
-{% endif %}from torch.distributed.tensor import DTensor
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor
 
 from engine.config import check_at_most, check_positive, effective_batch, shown
 from engine.distributed import is_main
@@ -169,11 +169,9 @@ class WeightEMA(Part):
 
     @torch.no_grad()
     def swap(self) -> None:
-{%- if cookiecutter.fsdp %}
         for module in self.model.modules():  # FSDP keeps the root's weights gathered after a forward without backward
             if isinstance(module, FSDPModule):
                 module.reshard()
-{%- endif %}
         live = self.live()
         for name, average in self.averages.items():
             mine, theirs = local(live[name]), local(average)

@@ -31,10 +31,9 @@ class Section:
 
 
 def build(cfg, env) -> "Freezing | None":
-{%- if cookiecutter.fsdp %}
-    if cfg.freeze.epochs and cfg.fsdp.enabled:  # FSDP fixes which parameters take gradients when it shards
+    sharding = getattr(cfg, "fsdp", None)  # the fsdp part's section, in a project that has it
+    if cfg.freeze.epochs and sharding and sharding.enabled:  # FSDP fixes which parameters take gradients
         raise ConfigError("freeze.epochs needs DDP (fsdp.enabled=false); under FSDP, freeze for the whole run")
-{%- endif %}
     return Freezing(cfg.freeze) if cfg.freeze.prefixes else None
 
 

@@ -12,11 +12,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from engine import sharded
 from engine.distributed import DistEnv, is_main, stop_all_if_any_fails
 from engine.errors import TaskError
-{% if cookiecutter.host_tuning %}from engine.host import M_MMAP_THRESHOLD
-{% endif %}from engine.parallel import prepare_modules
+from engine.parallel import prepare_modules
 from engine.parts import Part
 from engine.training import AMP_DTYPES
 
+M_MMAP_THRESHOLD = -3  # glibc's mallopt() parameter (engine/host.py sets it, with the host_tuning part)
 FOLDERS = sharded  # reads and writes checkpoint folders, for any run of this project (DDP resumes them too)
 
 
@@ -33,11 +33,9 @@ def build(cfg, env: DistEnv) -> "Fsdp | None":
 class Fsdp(Part):
     name = "fsdp"
     saves_sharded = True  # checkpoints are sharded folders, on one process too
-{%- if cookiecutter.host_tuning %}
     # Blocks above 128 KiB mmapped, so FSDP's gathered-then-freed blocks do not fragment the heap:
     # a 101M-parameter MLP, 2 CPU processes: peak RSS per rank 1,590 MiB with this, 2,827-3,347 without.
     host_allocator = {M_MMAP_THRESHOLD: 128 * 2**10}
-{%- endif %}
 
     def __init__(self, env: DistEnv):
         self.shards_model = env.world_size > 1  # on one process the model stays whole

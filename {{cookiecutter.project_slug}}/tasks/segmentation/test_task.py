@@ -8,11 +8,11 @@ import math
 import pytest
 
 from conftest import (
-    has,
     PROJECT,
     assert_one_epoch_trains_on_one_process,
     assert_resume_is_bitwise,
     evaluate_on_1_2_and_3_processes,
+    has,
     predict_on_1_and_2_processes,
     read_metrics,
     run_script,

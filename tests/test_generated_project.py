@@ -74,20 +74,10 @@ WITHOUT_PARTS_RUNS = ("faults", "task and exactness", "training and launch", "me
 # The files from which a "no" removes a part's code (Jinja in the template): the runs above
 # hold the tests of each.
 PART_CODE = {
-    "train.py",
-    "evaluate.py",
-    "predict.py",  # how much of a checkpoint folder it reads (fsdp)
-    "recipe.py",
-    *(f"engine/{name}.py" for name in ("checkpoint", "config", "distributed", "loader", "logs", "metrics")),
-    *(f"engine/{name}.py" for name in ("parallel", "training", "parts/__init__")),
+    *("train.py", "evaluate.py"),
+    *(f"engine/{name}.py" for name in ("checkpoint", "config", "distributed", "logs", "metrics", "training")),
     "tests/reference_task/train.py",
-    "tests/reference_task/recipe.py",
-    "tests/reference_task/model.py",  # the example's count_items (throughput) and model.pretrained
-    *(f"tests/test_{name}.py" for name in ("checkpoint", "common_changes", "config", "divergence", "task_interface")),
-    "tests/test_train.py",  # torchrun's summary shows the error line (launcher)
-    *(f"tests/test_{name}.py" for name in ("distributed", "faults")),  # the flight recorder (run_record)
-    "tests/test_launch.py",  # the check of gloo's address across nodes (run_record)
-    "tests/test_memory.py",  # the C heap figures (memory_report)
+    "tests/reference_task/model.py",  # the example's model.pretrained
 }
 
 
@@ -136,27 +126,15 @@ def test_generated_project_passes_its_own_suite(tmp_path, part, answers):
 def test_the_bake_without_parts_differs_from_the_default_bake_only_where_a_no_removes_code(tmp_path):
     """What lets the bake without parts skip some parts of its suite: every Python file both
     bakes have, but the task's own and those a "no" cuts (PART_CODE, whose tests it runs),
-    is the same code in both (docstrings and help texts aside), and the tests' conftest
-    differs only by lines naming a part's settings or files."""
+    is the same code in both (docstrings and help texts aside)."""
     default, without = bake(tmp_path / "default"), bake(tmp_path / "without", **BAKES["without parts"])
-    task_files = {
-        *("model.py", "data.py", "synthetic_data.py"),
-        *("tests/test_task.py", "tests/test_data.py", "tests/conftest.py"),
-    }
+    task_files = {"model.py", "data.py", "synthetic_data.py", "tests/test_task.py", "tests/test_data.py"}
     shared = {name for name in files(without) & files(default) if name.endswith(".py")} - task_files
     assert {"predict.py", "engine/lifecycle.py", "tests/test_train.py"} <= shared
     differing = {name for name in shared if code(default / name) != code(without / name)}
     assert differing <= PART_CODE, sorted(differing - PART_CODE)
     lean_runs = {name for part in WITHOUT_PARTS_RUNS for name in SUITE_PARTS[part]}
     assert {name.removeprefix("tests/") for name in PART_CODE if name.startswith("tests/test_")} <= lean_runs
-    old, new = ((project / "tests" / "conftest.py").read_text().splitlines() for project in (default, without))
-    removed = [line for line in old if line not in new]
-    entry_points = '    for name in ("evaluate.py", "export.py", "predict.py"{}):'
-    assert [line for line in new if line not in old] == [entry_points.format("")]
-    assert removed == [
-        '    "tracking.tensorboard=false",  # the tests that read the curves turn it on',
-        entry_points.format(', "sweep.py"'),
-    ]
 
 
 def code(path) -> str:

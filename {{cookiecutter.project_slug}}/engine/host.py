@@ -26,8 +26,8 @@ def freeze_setup_objects() -> None:
 
 
 def set_host_allocator(parts=()) -> bool:
-    """Fix glibc's allocator thresholds for the training steps: a part's own settings
-    (`Part.host_allocator`, e.g. FSDP's), else STEPS_REUSE_FREED. Returns whether they
+    """Fix glibc's allocator thresholds for the training steps: a part's own settings (its
+    `host_allocator`, e.g. the fsdp part's), else STEPS_REUSE_FREED. Returns whether they
     were set: not where the launch set them (MALLOC_*_, GLIBC_TUNABLES), nor with another C library.
 
     glibc's adaptive thresholds hand large freed blocks back to the kernel: each CPU step
@@ -40,5 +40,5 @@ def set_host_allocator(parts=()) -> bool:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)  # the C library this process already runs on
-    settings = next((part.host_allocator for part in parts if part.host_allocator), STEPS_REUSE_FREED)
+    settings = next(filter(None, (getattr(p, "host_allocator", None) for p in parts)), STEPS_REUSE_FREED)
     return all([libc.mallopt(parameter, value) for parameter, value in settings.items()])

@@ -151,10 +151,6 @@ class EvalBatches(Sampler):
         """This rank's share of the first `num_batches` batches."""
         return range(self.rank, num_batches, self.world_size)
 
-    def most_per_rank(self, num_batches: int) -> int:
-        """Batches of the busiest rank (rank 0) among the first `num_batches`."""
-        return -(-num_batches // self.world_size)
-
     def samples_in(self, batch_id: int) -> int:
         return min(self.batch_size, self.length - batch_id * self.batch_size)
 

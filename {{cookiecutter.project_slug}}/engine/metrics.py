@@ -164,7 +164,7 @@ def evaluate(model: nn.Module, loader, validation_step, metrics, device, precisi
 {%- if cookiecutter.fsdp %}
         if isinstance(model, FSDPModule):
             spare_batch = move_to_device(loader.collate_fn([loader.dataset[0]]), device)
-            for _ in range(plan.most_per_rank(num_batches) - len(mine)):
+            for _ in range(-(-num_batches // plan.world_size) - len(mine)):  # up to rank 0's count, the most
                 with autocast(precision, device):  # into a batch never ended, so never counted
                     validation_step(model, spare_batch, metrics)
 {%- endif %}

@@ -17,10 +17,7 @@ class Part:
     name = ""  # its config section, and its entry in checkpoints
     shards_model = False  # the model's tensors are split across processes
     saves_sharded = False  # checkpoints are folders of every rank's shards
-    host_allocator: dict[int, int] = {}  # glibc mallopt() settings its steps need instead of engine/host.py's
-    # A second set of weights (e.g. their average), saved, loaded and evaluated as the model's, under the
-    # part's name: weights(), named and sharded as the model's; swapped_into_model(); reset_weights().
-    holds_weights = False
+    holds_weights = False  # a second set of weights (e.g. their average), saved, loaded and evaluated as the model's
 
     def build_model(self, build, cfg, env, device, blocks) -> nn.Module | None: ...  # built, placed and wrapped
     def prepare_model(self, model: nn.Module) -> nn.Module | None: ...  # as the task built it, before it is moved
@@ -35,6 +32,9 @@ class Part:
     def epoch_figures(self, state) -> dict | None: ...  # more for the evaluation's row of metrics.jsonl (every rank)
     def state_dict(self) -> dict | None: ...  # small state for checkpoints, the same on every rank
     def load_state_dict(self, state: dict) -> None: ...
+    def weights(self) -> dict: ...  # with holds_weights: by the model's state-dict names, sharded as its are
+    def swapped_into_model(self): ...  # with holds_weights: a context in which the model holds them
+    def reset_weights(self) -> None: ...  # with holds_weights: to the model's
 
     # On rank 0, a record of the run (an error as it opens stops every rank): each row of metrics.jsonl.
     def open_log(self, start_step: int) -> None: ...

@@ -31,9 +31,9 @@ from engine.distributed import (
 from engine.loader import build_val_loader
 from engine.logs import report_errors
 from engine.metrics import evaluate
-{% if cookiecutter.fsdp %}from engine.parallel import build_for_evaluation
+from engine.parallel import build_for_evaluation
 from engine.parts import build_parts
-{% endif %}from model import {{ 'BLOCKS, ' if cookiecutter.fsdp }}ModelConfig, build_metrics, build_model, validation_step
+from model import BLOCKS, ModelConfig, build_metrics, build_model, validation_step
 from recipe import OptimConfig
 
 
@@ -52,30 +52,22 @@ def parse_args(argv=None) -> argparse.Namespace:
 @report_errors
 def main(argv=None) -> None:
     args = parse_args(argv)
-{%- if cookiecutter.fsdp %}
     # Settings and position only: the weights are read below, and never the optimizer state
     # of a checkpoint folder.
-{%- endif %}
-    ckpt = load_checkpoint(args.checkpoint{{ ", tensors=False" if cookiecutter.fsdp }})
+    ckpt = load_checkpoint(args.checkpoint, tensors=False)
     sections = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig}
     cfg = load_config(args.config, args.overrides, base=ckpt.get("config"), **sections)
     env, device = init_distributed_mode(cfg.dist)
-{%- if cookiecutter.fsdp %}
     parts = build_parts(cfg, env)  # the optional features the config turns on, as in train.py
-{%- endif %}
 {%- if cookiecutter.host_tuning %}
-    set_host_allocator({{ 'parts' if cookiecutter.fsdp }})  # as train.py does, before the model is built
+    set_host_allocator(parts)  # as train.py does, before the model is built
 {%- endif %}
     try:
         prepare_on_node_leaders(prepare_data, cfg, env, device)  # one writer per node at a time
         with stop_all_if_any_fails(device):
             _, val_set = build_datasets(cfg)
-{%- if cookiecutter.fsdp %}
-        # As in training: as a part builds it (sharded, no full copy on any device), else a replica.
+        # As in training: as a part builds it (e.g. sharded, no full copy on any device), else a replica.
         model = build_for_evaluation(lambda: build_model(cfg), cfg, env, device, BLOCKS, parts)
-{%- else %}
-        model = build_model(cfg).to(device)
-{%- endif %}
 {%- if cookiecutter.ema or cookiecutter.fsdp %}
         load_weights(model, Path(args.checkpoint), ckpt{{ ', part=args.weights' if cookiecutter.ema }})
 {%- else %}

@@ -28,9 +28,9 @@ TASK_FILES = {
 }
 REFERENCE_TASK = "classification"
 FROZEN = {
-    **dict.fromkeys(("model.py", "data.py", "synthetic_data.py", "config.yaml"), "the example task"),
-    "train.py": "the project's train.py",
-    "recipe.py": "the project's recipe.py",
+    **dict.fromkeys(("model.py", "data.py", "synthetic_data.py", "config.yaml"), "The example task"),
+    "train.py": "The project's train.py",
+    "recipe.py": "The project's recipe.py",
 }
 
 
@@ -49,7 +49,7 @@ def place_task() -> None:
     reference.mkdir(exist_ok=True)
     for name, what in FROZEN.items():
         source = Path("tasks", REFERENCE_TASK, name) if name in TASK_FILES else Path(name)
-        header = f"# {what[0].upper()}{what[1:]}, frozen: the machinery's tests run it (tests/conftest.py).\n"
+        header = f"# {what}, frozen: the machinery's tests run it (tests/conftest.py).\n"
         (reference / name).write_text(header + source.read_text())
     for name, place in TASK_FILES.items():
         os.replace(Path("tasks", TASK, name), place)

@@ -75,9 +75,8 @@ WITHOUT_PARTS_RUNS = ("faults", "task and exactness", "training and launch", "me
 # hold the tests of each.
 PART_CODE = {
     *("train.py", "evaluate.py"),
-    *(f"engine/{name}.py" for name in ("checkpoint", "config", "distributed", "logs", "metrics", "training")),
+    *(f"engine/{name}.py" for name in ("checkpoint", "logs", "training")),
     "tests/reference_task/train.py",
-    "tests/reference_task/model.py",  # the example's model.pretrained
 }
 
 

@@ -10,13 +10,9 @@ from conftest import BIN, TEMPLATE
 PROJECT_TEMPLATE = TEMPLATE / "{{cookiecutter.project_slug}}"
 STILL_JINJA = {
     "engine/checkpoint.py",
-    "engine/config.py",
-    "engine/distributed.py",
     "engine/logs.py",
-    "engine/metrics.py",
     "engine/training.py",
     "evaluate.py",
-    "tasks/classification/model.py",
     "train.py",
 }
 # The baked project's ruff settings (its pyproject.toml, which itself holds Jinja), with its

@@ -16,6 +16,7 @@ import enum
 import functools
 {% if cookiecutter.host_tuning %}import gc
 {% endif %}import inspect
+import os
 import time
 from pathlib import Path
 
@@ -33,6 +34,7 @@ from engine.distributed import (
     cleanup_distributed,
     init_distributed_mode,
     is_main,
+    parse_dist_env,
     prepare_on_node_leaders,
     shorten_timeout_after_first_step,
     stop_all_if_any_fails,
@@ -45,10 +47,10 @@ from engine.logs import QuietLog, RunLog, {{ 'hand_to_launcher, ' if cookiecutte
 from engine.metrics import evaluate
 from engine.parallel import build_and_wrap, memory_format, wrap_ddp
 from engine.parts import build_parts
-{% if cookiecutter.run_record %}from engine.run_record import commit_line, describe_run, header, keep_output_in
+{% if cookiecutter.run_record %}from engine.parts.run_record import commit_line, describe_run, header, keep_output_in
+{% endif %}{% if cookiecutter.throughput %}from engine.parts.throughput import Throughput
 {% endif %}from engine.seeding import borrowed_rng, derive_seed, seed_everything, set_determinism
-{% if cookiecutter.throughput %}from engine.throughput import Throughput
-{% endif %}from engine.training import (
+from engine.training import (
     EpochStats,
     NonFiniteGuard,
     TrainState,
@@ -78,8 +80,8 @@ def main(argv=None) -> int:
     if args.print_config:
         print(format_config(cfg), end="")
         return 0
-    env, device = init_distributed_mode(cfg.dist{{ ', Path(cfg.output_dir) / "flight_recorder"' if cookiecutter.run_record }})
-    parts = build_parts(cfg, env)  # the optional features the config turns on (engine/parts)
+    parts = build_parts(cfg, parse_dist_env(os.environ))  # the optional features the config turns on (engine/parts)
+    env, device = init_distributed_mode(cfg.dist, parts)  # a part may set variables first
 {%- if cookiecutter.host_tuning %}
 {%- if cookiecutter.fsdp %}
     # What each step frees: kept for the next, or given back where a part says so (FSDP). Set
@@ -102,7 +104,8 @@ def main(argv=None) -> int:
         check_precision(cfg, device)
         set_determinism(cfg.train.deterministic, device)
 {%- if cookiecutter.run_record %}
-        provenance = describe_run(env, Path(__file__).resolve().parent, cfg.provenance)  # git commit, versions, hosts
+        # The git commit, versions, hosts.
+        provenance = describe_run(env, Path(__file__).resolve().parent, cfg.run_record.provenance)
         checkpointer = Checkpointer(cfg, env, device, provenance)
 {%- else %}
         checkpointer = Checkpointer(cfg, env, device)
@@ -130,7 +133,7 @@ def main(argv=None) -> int:
             for loader in loaders:  # their worker processes end before the process group does
                 loader.close()
         finally:  # even when a second Ctrl-C lands in the loaders' shutdown
-            cleanup_distributed()
+            cleanup_distributed(parts)
     return stop.exit_code()  # after the cleanup: STOPPED_EXIT_CODE for a stop by a signal
 
 
@@ -150,18 +153,12 @@ def load_train_objs(cfg, env, device, checkpointer: Checkpointer, parts: list, v
 
     seed_everything(cfg.seed)  # the same initial weights on every rank
 
-{%- if cookiecutter.freezing %}
 
     def build() -> nn.Module:
         model = build_model(cfg)
         for part in parts:
-            model = part.prepare_model(model) or model  # e.g. freeze.params' parameters frozen
+            model = part.prepare_model(model) or model  # e.g. published weights loaded, parameters frozen
         return model
-{%- else %}
-
-    def build() -> nn.Module:
-        return build_model(cfg)
-{%- endif %}
 
     # SyncBatchNorm, device, DDP{{ "; or FSDP's sharding (no full copy on any device)" if cookiecutter.fsdp }}.
     model, train_model = build_and_wrap(build, cfg, env, device, BLOCKS, parts)

@@ -430,7 +430,7 @@ class Checkpointer:
     def __init__(self, cfg: Config, env: DistEnv, device: torch.device{{ ', provenance: dict | None = None' if cookiecutter.run_record }}):
         self.cfg, self.env, self.device = cfg, env, device
 {%- if cookiecutter.run_record %}
-        self.provenance = provenance  # what produced the run (engine/run_record.py), in every checkpoint
+        self.provenance = provenance  # what produced the run (engine/parts/run_record.py), in every checkpoint
 {%- endif %}
         self.directory = checkpoint_dir(cfg.output_dir)
 

@@ -50,9 +50,6 @@ class TrainConfig:
     sanity_check: bool = True  # before training: validation_step and the metrics on 2 batches per process
     num_workers: int = 2  # DataLoader worker processes per process
     log_every_steps: int = 10
-{%- if cookiecutter.throughput %}
-    peak_tflops: float = 0.0  # one device's peak, for the MFU figure; 0 = a listed GPU's (engine/throughput.py)
-{%- endif %}
     eval_every_steps: int = 0  # evaluate, write a metrics row and save every N steps; 0 = at each epoch's end
     stop_at_step: int = 0  # stop with a checkpoint at this optimizer step; 0 = run all epochs
     deterministic: bool = False  # torch.use_deterministic_algorithms
@@ -61,9 +58,6 @@ class TrainConfig:
         zero_allowed = ("max_steps", "eval_every_steps", "grad_clip", "max_bad_steps", "stop_at_step", "num_workers")
         for key in ("epochs", "batch_size", "accum_steps", "eval_batch_size", "log_every_steps", *zero_allowed):
             check_positive(f"train.{key}", getattr(self, key), allow_zero=key in zero_allowed)
-{%- if cookiecutter.throughput %}
-        check_positive("train.peak_tflops", self.peak_tflops, allow_zero=True)
-{%- endif %}
 
 
 def effective_batch(train: TrainConfig, world_size: int) -> int:
@@ -95,9 +89,6 @@ class DistConfig:
     backend: Literal["auto", "nccl", "gloo"] = "auto"  # auto (nccl on CUDA, else gloo) | nccl | gloo
     timeout_minutes: float = 30.0  # until the first step: a collective waiting longer fails the run (>= 0.05)
     step_timeout_minutes: float = 10.0  # after it (a hang costs this long): cover a save and an evaluation (>= 0.05)
-{%- if cookiecutter.run_record %}
-    flight_recorder_entries: int = 2000  # collectives each rank keeps for output_dir/flight_recorder (0: off)
-{%- endif %}
     sync_bn: bool = True  # BatchNorm -> SyncBatchNorm (CUDA with more than one process only)
     find_unused_parameters: bool = False  # DDP: allow parameters that get no gradient in a step
     static_graph: bool = False  # DDP: the graph never changes between steps (enables optimisations)
@@ -111,9 +102,6 @@ class DistConfig:
                 raise ConfigError(f"dist.{key} is in minutes: at least {MIN_TIMEOUT_MINUTES} (3 s), got {minutes!r}")
             # 10**6 minutes, about two years: beyond any real run, within what timedelta and step counts hold
             check_at_most(f"dist.{key}", minutes, 10**6)
-{%- if cookiecutter.run_record %}
-        check_positive("dist.flight_recorder_entries", self.flight_recorder_entries, allow_zero=True)
-{%- endif %}
         check_positive("dist.bucket_cap_mb", self.bucket_cap_mb)
         check_at_most("dist.bucket_cap_mb", self.bucket_cap_mb, 10**6)  # DDP takes int(MiB x 2**20) bytes
 
@@ -122,9 +110,6 @@ class DistConfig:
 class Config:
     seed: int = 0
     output_dir: str = "runs/default"  # checkpoints, metrics.jsonl, the resolved config
-{%- if cookiecutter.run_record %}
-    provenance: bool = True  # record the git commit: runs git in the project folder; false: no git call
-{%- endif %}
     train: TrainConfig = field(default_factory=TrainConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     dist: DistConfig = field(default_factory=DistConfig)
@@ -216,49 +201,25 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, base: dic
 TOO_DEEP = "hundreds of levels deep, too deep to read; a config value is a few levels deep"
 
 
-# Keys that moved (old: new), for a config written before: train.* went to optim{% if cookiecutter.ema or cookiecutter.early_stopping or cookiecutter.freezing or cookiecutter.profiler or cookiecutter.tracking or cookiecutter.fsdp %}
-# and to the parts' sections{% endif %}.
+# Keys that moved (old: new), for a config written before: train.* went to optim. A part's module
+# has its own MOVED_KEYS; where a value changed too, (new key, how to write its value).
 MOVED_KEYS = {
     **{f"train.{key}": f"optim.{key}" for key in ("lr", "momentum", "weight_decay", "scale_lr", "reference_batch")},
     **{f"train.{key}": f"optim.{key}" for key in ("schedule", "warmup_epochs", "step_every_epochs", "step_gamma")},
     "train.optimizer": "optim.name",
     "train.warmup_steps": "optim.warmup_steps",
-{%- if cookiecutter.ema %}
-    **{f"train.ema_{key}": f"ema.{key}" for key in ("decay", "start_step")},
-{%- endif %}
-{%- if cookiecutter.early_stopping %}
-    **{f"train.early_stopping_{key}": f"early_stopping.{key}" for key in ("patience", "min_delta")},
-{%- endif %}
-{%- if cookiecutter.freezing %}
-    "train.freeze": "freeze.params",
-    "train.freeze_epochs": "freeze.epochs",
-{%- endif %}
-{%- if cookiecutter.profiler %}
-    **{f"train.profile_{key}": f"profiler.{key}" for key in ("steps", "start_step", "all_ranks")},
-{%- endif %}
-{%- if cookiecutter.tracking %}
-    "train.tensorboard": "tracking.tensorboard",
-{%- endif %}
-{%- if cookiecutter.fsdp %}
-    "train.strategy": "fsdp.enabled",
-    "train.fsdp_cpu_offload": "fsdp.cpu_offload",
-{%- endif %}
 }
-{%- if cookiecutter.fsdp %}
-# Moved keys whose values changed too: how to write the new one.
-NEW_VALUES = {"train.strategy": "set fsdp.enabled=true for strategy fsdp, false for ddp"}
-{%- endif %}
 
 
 def unknown_key_message(key: str, known: list[str]) -> str:
     """Where a moved key went, or the known key closest to the one typed: the one key of the
     same name in another section (model.lr: optim.lr), or one a typo or two away."""
-    if key in MOVED_KEYS:
-{%- if cookiecutter.fsdp %}
-        return f"config key {key!r} moved to {MOVED_KEYS[key]!r}; {NEW_VALUES.get(key, 'rename it')}"
-{%- else %}
-        return f"config key {key!r} moved to {MOVED_KEYS[key]!r}; rename it"
-{%- endif %}
+    moved = MOVED_KEYS | {
+        old: new for module in parts.modules() for old, new in getattr(module, "MOVED_KEYS", {}).items()
+    }
+    if key in moved:
+        new, how = moved[key] if isinstance(moved[key], tuple) else (moved[key], "rename it")
+        return f"config key {key!r} moved to {new!r}; {how}"
     leaf = key.rsplit(".", 1)[-1]
     same_name = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
     close = same_name if len(same_name) == 1 else difflib.get_close_matches(key, known, n=1, cutoff=0.8)

@@ -4,12 +4,10 @@ import contextlib
 import datetime
 import os
 import re
-{% if cookiecutter.run_record %}import socket
-{% endif %}import sys
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
-{% if cookiecutter.run_record %}from pathlib import Path
-{% endif %}
+
 import torch
 import torch.distributed as dist
 
@@ -135,88 +133,31 @@ def select_device(env: DistEnv, cuda_available: bool, device_count: int = 0) -> 
     return torch.device("cuda", env.local_rank if device_count > 1 else 0)
 
 
-def init_distributed_mode(cfg: DistConfig{{ ', trace_dir: Path | None = None' if cookiecutter.run_record }}) -> tuple[DistEnv, torch.device]:
-    """Bind this process to its device, then join the process group (if launched).{% if cookiecutter.run_record %}
-    `trace_dir`: where each rank's flight recorder goes when a collective fails.{% endif %}"""
+def init_distributed_mode(cfg: DistConfig, parts=()) -> tuple[DistEnv, torch.device]:
+    """Bind this process to its device, then join the process group (if launched). `parts`
+    (engine/parts) may set variables for it first, e.g. the flight recorder's."""
     env = parse_dist_env(os.environ)
     cuda = torch.cuda.is_available()
     device = select_device(env, cuda, torch.cuda.device_count() if cuda else 0)
     if device.type == "cuda":
         torch.cuda.set_device(device)  # before any other CUDA call, so nothing lands on GPU 0
     if env.launcher != "none":
-{%- if cookiecutter.run_record %}
-        check_gloo_address(socket.gethostname(), multi_node(os.environ), os.environ)
-{%- endif %}
-        os.environ.update(process_group_env(os.environ{{ ', cfg.flight_recorder_entries, trace_dir' if cookiecutter.run_record }}))
+        wanted = {name: value for part in parts for name, value in (part.process_group_env(env) or {}).items()}
+        os.environ.update(process_group_env(os.environ, wanted))
         if notice := waiting_notice(env, cfg.timeout_minutes):
             print(notice, file=sys.stderr, flush=True)
-{%- if cookiecutter.run_record %}
-        if trace_dir is not None:  # NCCL's watchdog writes there, but does not make the folder
-            with contextlib.suppress(OSError):  # an unwritable output_dir is reported after the lock
-                trace_dir.mkdir(parents=True, exist_ok=True)
-{%- endif %}
         meet = f"tcp://{env.master_addr}:{env.master_port}" if env.launcher == "slurm" else "env://"
         timeout = datetime.timedelta(minutes=cfg.timeout_minutes)
         backend, device_id = select_backend(cfg.backend, cuda), device if device.type == "cuda" else None
         dist.init_process_group(backend, meet, timeout, world_size=env.world_size, rank=env.rank, device_id=device_id)
     return env, device
-{%- if cookiecutter.run_record %}
 
 
-# The flight recorder's variables under the names older PyTorch releases read.
-OLDER_NAMES = {
-    "TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE",
-    "TORCH_FR_DUMP_TEMP_FILE": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
-}
-{%- endif %}
-
-
-{%- if cookiecutter.run_record %}
-
-
-def process_group_env(
-    environ: Mapping[str, str], trace_entries: int = 0, trace_dir: Path | None = None
-) -> dict[str, str]:
-{%- else %}
-
-
-def process_group_env(environ: Mapping[str, str]) -> dict[str, str]:
-{%- endif %}
-    """Variables set at launch win. TORCH_GLOO_LAZY_INIT: at 1,000 ranks tens of sockets a process, not ~2,000.{% if cookiecutter.run_record %}
-    TORCH_FR_*: the flight recorder. Each rank keeps its last `trace_entries` collectives and writes them to
-    `trace_dir`/rank_N when one times out (read them with `python -m torch.distributed.flight_recorder.fr_trace`).{% endif %}"""
-    wanted = {"TORCH_GLOO_LAZY_INIT": "1"}
-{%- if cookiecutter.run_record %}
-    if trace_entries > 0 and trace_dir is not None:
-        wanted |= {"TORCH_FR_BUFFER_SIZE": str(trace_entries), "TORCH_FR_DUMP_TEMP_FILE": f"{trace_dir}/rank_"}
-        wanted["TORCH_NCCL_DUMP_ON_TIMEOUT"] = "1"
-{%- endif %}
-    return {n: v for n, v in wanted.items() if n not in environ{{ ' and OLDER_NAMES.get(n, n) not in environ' if cookiecutter.run_record }}}
-{%- if cookiecutter.run_record %}
-
-
-def multi_node(environ: Mapping[str, str]) -> bool:
-    fix = "the launcher sets it to a whole number; unset yours"
-    if "LOCAL_WORLD_SIZE" in environ and "WORLD_SIZE" in environ:
-        return whole_number(environ, "LOCAL_WORLD_SIZE", fix) < whole_number(environ, "WORLD_SIZE", fix)
-    nodes = "SLURM_STEP_NUM_NODES" if "SLURM_STEP_NUM_NODES" in environ else "SLURM_NNODES"
-    return (whole_number(environ, nodes, fix) or 1) > 1
-
-
-def check_gloo_address(hostname: str, spans_hosts: bool, environ: Mapping[str, str]) -> None:
-    """gloo listens where the host name resolves, often 127.0.1.1 in containers: say so before it hangs."""
-    if not spans_hosts or "GLOO_SOCKET_IFNAME" in environ:
-        return
-    address = ""  # unresolvable: gloo falls back to the loopback address
-    with contextlib.suppress(OSError):
-        address = socket.gethostbyname(hostname)
-    if not address or address.startswith("127."):
-        raise UsageError(
-            f"this host's name {hostname!r} resolves to {address or 'nothing'}, which other nodes cannot reach; "
-            "set GLOO_SOCKET_IFNAME to the interface between the nodes (e.g. GLOO_SOCKET_IFNAME=eth0 or ib0; "
-            "`ip -br addr` lists them)"
-        )
-{%- endif %}
+def process_group_env(environ: Mapping[str, str], wanted: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`wanted` and TORCH_GLOO_LAZY_INIT (at 1,000 ranks tens of sockets a process, not ~2,000),
+    but those set at launch: they win."""
+    wanted = {"TORCH_GLOO_LAZY_INIT": "1", **(wanted or {})}
+    return {name: value for name, value in wanted.items() if name not in environ}
 
 
 def shorten_timeout_after_first_step(optimizer: torch.optim.Optimizer, minutes: float, groups=()) -> None:
@@ -230,24 +171,6 @@ def shorten_timeout_after_first_step(optimizer: torch.optim.Optimizer, minutes: 
             dist.set_timeout(datetime.timedelta(minutes=minutes), group=pending.pop())
 
     optimizer.register_step_post_hook(shorten)
-{%- if cookiecutter.run_record %}
-
-
-def flight_recorder_file() -> Path | None:
-    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE", os.environ.get(OLDER_NAMES["TORCH_FR_DUMP_TEMP_FILE"]))
-    return Path(f"{prefix}{get_rank()}") if prefix else None
-
-
-def dump_flight_recorder() -> None:
-    """Write this rank's flight recorder unless NCCL's watchdog has; before leaving the groups it names."""
-    path = flight_recorder_file()
-    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)  # no public API yet
-    if path is None or dump is None or path.exists():
-        return
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(dump())
-{%- endif %}
 
 
 def lost_peer(error: BaseException | None) -> bool:
@@ -256,19 +179,18 @@ def lost_peer(error: BaseException | None) -> bool:
     return network or (isinstance(error, RuntimeError) and re.search(gloo, str(error)) is not None)
 
 
-def cleanup_distributed() -> None:
+def cleanup_distributed(parts=()) -> None:
     """Ranks leaving together first meet (a lazy gloo connection to a closed peer aborts at exit); one alone never
-    waits{{ " and, if its collective failed, writes its flight recorder" if cookiecutter.run_record }}."""
+    waits. After a lost peer, `parts` may first write what they know (e.g. the flight recorder)."""
     if not (dist.is_available() and dist.is_initialized()):
         return
     error = sys.exc_info()[1]
     if error is None or getattr(error, "agreed", False):
         with contextlib.suppress(RuntimeError):  # a peer gone meanwhile: leave anyway
             dist.barrier()  # on the device bound at init (device_id): never a guess at GPU 0
-{%- if cookiecutter.run_record %}
     elif lost_peer(error):
-        dump_flight_recorder()
-{%- endif %}
+        for part in parts:
+            part.lost_peer(error)
     dist.destroy_process_group()
 
 

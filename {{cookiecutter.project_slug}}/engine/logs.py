@@ -14,7 +14,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from engine.distributed import PeerFailed, {{ 'flight_recorder_file, ' if cookiecutter.run_record }}get_rank, is_main, lost_peer
+from engine.distributed import PeerFailed, get_rank, is_main, lost_peer
 from engine.errors import StoppedAtOnce, UsageError
 from engine.files import append_json_line, rewind_json_lines
 from engine.lifecycle import STOP_SIGNALS
@@ -115,7 +115,7 @@ def format_epoch(metrics: dict) -> str:
     shown += [f"{key} {value:.4f}" for key, value in metrics.items() if "val_" in key]
     speed = [f"{metrics['samples_per_s']:.0f} samples/s"]
 {%- if cookiecutter.throughput %}
-    # The task's <unit>_per_s (engine/throughput.py)
+    # The task's <unit>_per_s (engine/parts/throughput.py)
     units = [key for key in metrics if key.endswith("_per_s") and key not in ("samples_per_s", "model_tflops_per_s")]
     speed += [f"{metrics[key]:,.0f} {key.removesuffix('_per_s')}/s" for key in units]
     speed += [f"MFU {metrics['mfu']:.1%}"] if "mfu" in metrics else []
@@ -199,15 +199,13 @@ def last_word(error: BaseException) -> tuple[str | None, int] | None:
         return line if is_main() else None, 130  # as a shell reports a process ended by SIGINT
     if not lost_peer(error):
         return None
-    # Every survivor says it: rank 0 may be the process that died.
-{%- if cookiecutter.run_record %}
-    trace = flight_recorder_file()  # written as the process group was left
-    history = f" Its last collectives: {trace}." if trace and trace.exists() else ""
-{%- endif %}
+    # Every survivor says it: rank 0 may be the process that died. Parts' notes (e.g. where the
+    # flight recorder wrote its last collectives) were added as the process group was left.
+    notes = "".join(f" {note}" for note in getattr(error, "__notes__", ()))
     return (
         f"rank {get_rank()} stopped: lost contact with another process: it crashed, was killed, or hung longer "
         "than dist.step_timeout_minutes (dist.timeout_minutes before the first step); "
-        f"see its output.{{ '{history}' if cookiecutter.run_record }} {last_line(error)}"
+        f"see its output.{notes} {last_line(error)}"
     ), 1
 
 

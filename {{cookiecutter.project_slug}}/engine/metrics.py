@@ -6,8 +6,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import torch.nn as nn
-{% if cookiecutter.fsdp %}from torch.distributed.fsdp import FSDPModule
-{% endif %}
+
 from engine import distributed
 from engine.errors import TaskError
 from engine.loader import map_leaves, move_to_device
@@ -142,17 +141,16 @@ def check_metrics(metrics: dict) -> dict:
 @torch.no_grad()
 def evaluate(model: nn.Module, loader, validation_step, metrics, device, precision, max_batches=None, stop=None):
     """{"val_<name>" or "val_<key>" of a dict: value, ..., "num_samples": n}, the same on every rank; None if
-    `stop(batch_round)` said so. Pass the unwrapped model: DDP's forward may broadcast, and batches are uneven.{% if cookiecutter.fsdp %}
-    An FSDP forward is a collective itself: every rank runs as many as rank 0, the extra ones counted nowhere.{% endif %}"""
+    `stop(batch_round)` said so. Pass the unwrapped model: DDP's forward may broadcast, and batches are uneven.
+    Every rank runs as many forwards as rank 0, the extra ones counted nowhere: a sharded model's forward is a
+    collective itself."""
     metrics = check_metrics(metrics)
     plan = loader.batch_sampler
     num_batches = plan.num_batches if max_batches is None else min(plan.num_batches, max_batches * plan.world_size)
     mine = plan.mine(num_batches)
     every_rank_has = num_batches // plan.world_size  # rounds at which a stop can be agreed
     model.eval()
-{%- if cookiecutter.fsdp %}
-    # Under FSDP a validation_step failing on some ranks only leaves the others in an all-gather.
-{%- endif %}
+    # A validation_step failing on some ranks only would leave the others in a sharded model's all-gather.
     with distributed.stop_all_if_any_fails(device):
         for batch_round, (batch_id, batch) in enumerate(zip(mine, loader, strict=False)):  # a sanity check stops early
             with autocast(precision, device):
@@ -161,13 +159,9 @@ def evaluate(model: nn.Module, loader, validation_step, metrics, device, precisi
                 metric.end_batch(plan.samples_in(batch_id))
             if stop is not None and batch_round < every_rank_has and stop(batch_round):
                 return None  # every rank, after the same round
-{%- if cookiecutter.fsdp %}
-        if isinstance(model, FSDPModule):
-            spare_batch = move_to_device(loader.collate_fn([loader.dataset[0]]), device)
-            for _ in range(-(-num_batches // plan.world_size) - len(mine)):  # up to rank 0's count, the most
-                with autocast(precision, device):  # into a batch never ended, so never counted
-                    validation_step(model, spare_batch, metrics)
-{%- endif %}
+        for _ in range(-(-num_batches // plan.world_size) - len(mine)):  # up to rank 0's count, the most
+            with autocast(precision, device):  # into a batch never ended, so never counted
+                validation_step(model, move_to_device(loader.collate_fn([loader.dataset[0]]), device), metrics)
     return compute_metrics(metrics, plan, num_batches, device)
 
 

@@ -26,7 +26,7 @@ from engine.config import Config, TrainConfig
 from engine.distributed import all_reduce{{ ', is_main' if cookiecutter.ema }}
 from engine.errors import ConfigError, DivergedError, TaskError, UsageError
 from engine.parts import Part
-{% if cookiecutter.throughput %}from engine.throughput import Throughput
+{% if cookiecutter.throughput %}from engine.parts.throughput import Throughput
 {% endif %}
 # train.precision: bf16 and fp16 run the forward passes under autocast; fp16 also scales
 # the loss (GradScaler), since its gradients underflow.

@@ -426,7 +426,7 @@ def test_a_lost_rank_fails_the_others_within_the_step_timeout_and_leaves_their_h
     assert "Traceback" not in stderr
     if fault == signal.SIGSTOP:  # a hang: gloo's own timeout, the step's, not the setup's
         assert "6000ms" in stderr, stderr
-    if has("engine/run_record.py"):
+    if has("engine/parts/run_record.py"):
         # The run_record part's flight recorder: the survivor's last collectives, the failed one among them.
         trace = output_dir / "flight_recorder" / "rank_0"
         assert f"Its last collectives: {trace}." in stderr

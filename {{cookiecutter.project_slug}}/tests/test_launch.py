@@ -65,7 +65,7 @@ def test_two_nodes_train_like_one_node_with_two_processes(tmp_path, backend):
         assert torch.equal(b[key], value), key
 
 
-@pytest.mark.skipif(not has("engine/run_record.py"), reason="the run_record part checks gloo's address")
+@pytest.mark.skipif(not has("engine/parts/run_record.py"), reason="the run_record part checks gloo's address")
 def test_a_multi_node_job_on_a_host_name_others_cannot_reach_stops_in_one_line(tmp_path):
     # Without GLOO_SOCKET_IFNAME, gloo would listen on the address of this host's name
     # (127.0.0.1 here): unreachable from a real second node.

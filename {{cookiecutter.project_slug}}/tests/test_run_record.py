@@ -1,4 +1,4 @@
-"""What a run leaves about itself (engine/run_record.py): what produced it (the git
+"""What a run leaves about itself (engine/parts/run_record.py): what produced it (the git
 commit and whether the code differed from it, the versions, the launch and its hosts), in
 every checkpoint, the saved config's header and the run's opening line; and rank 0's
 lines, in output_dir/train.log across resumes."""
@@ -18,9 +18,16 @@ import torch
 import yaml
 
 from conftest import FAST, load_checkpoint, machinery_project, reference_config, run_script
-from engine.distributed import DistEnv, check_gloo_address, multi_node, process_group_env
+from engine.distributed import DistEnv, process_group_env
 from engine.errors import UsageError
-from engine.run_record import commit_line, describe_run, git_state
+from engine.parts.run_record import (
+    check_gloo_address,
+    commit_line,
+    describe_run,
+    flight_recorder_env,
+    git_state,
+    multi_node,
+)
 from test_distributed import SRUN_TASK
 
 RUN = [*FAST, "data.train_size=256", "train.epochs=1"]
@@ -187,25 +194,24 @@ def test_provenance_false_runs_no_git(tmp_path, monkeypatch):
     marker = tmp_path / "git-ran"
     fake_git(tmp_path, monkeypatch, f"touch {marker}\nexit 1")
     record = describe_run(DistEnv(), repo, record_git=False)
-    assert commit_line(record) == "git commit not recorded (provenance=false)"
+    assert commit_line(record) == "git commit not recorded (run_record.provenance=false)"
     assert not marker.exists()
-    assert reference_config(None, ["provenance=false"]).provenance is False
+    assert reference_config(None, ["run_record.provenance=false"]).run_record.provenance is False
 
 
-# Multi-node jobs and the flight recorder's variables (engine/distributed.py's share of this part).
+# Multi-node jobs and the flight recorder's variables, set before the process group is joined.
 
 
 def test_process_group_variables_connect_gloo_lazily_and_record_collectives():
     trace_dir = Path("/runs/a/flight_recorder")
-    assert process_group_env({}, 2000, trace_dir) == {
+    assert process_group_env({}, flight_recorder_env({}, 2000, trace_dir)) == {
         "TORCH_GLOO_LAZY_INIT": "1",
         "TORCH_FR_BUFFER_SIZE": "2000",
         "TORCH_FR_DUMP_TEMP_FILE": "/runs/a/flight_recorder/rank_",
         "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
     }
-    # Off, or no place to write to (evaluate.py): only the lazy connections.
-    assert process_group_env({}, 0, trace_dir) == {"TORCH_GLOO_LAZY_INIT": "1"}
-    assert process_group_env({}, 2000, None) == {"TORCH_GLOO_LAZY_INIT": "1"}
+    # Off: only the lazy connections.
+    assert process_group_env({}, flight_recorder_env({}, 0, trace_dir)) == {"TORCH_GLOO_LAZY_INIT": "1"}
 
 
 def test_process_group_variables_set_at_launch_win_under_either_name():
@@ -214,7 +220,8 @@ def test_process_group_variables_set_at_launch_win_under_either_name():
         "TORCH_NCCL_TRACE_BUFFER_SIZE": "10",
         "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": "/x/",
     }
-    assert process_group_env(launch, 2000, Path("/runs/a/fr")) == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
+    wanted = flight_recorder_env(launch, 2000, Path("/runs/a/fr"))
+    assert process_group_env(launch, wanted) == {"TORCH_NCCL_DUMP_ON_TIMEOUT": "1"}
 
 
 @pytest.mark.parametrize(

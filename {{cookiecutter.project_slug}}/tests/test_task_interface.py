@@ -130,7 +130,7 @@ def test_a_batch_dependent_model_evaluates_to_the_same_bits_on_1_2_and_3_process
     run_task(sequence_project, "train.py", [*SEQUENCE_RUN, "train.epochs=2", f"output_dir={out}"], nproc=2)
     last_epoch = read_metrics(out)[-1]
     assert last_epoch["val_auroc"] > 0.8  # chance is 0.5: it learned, reading cfg.model.token_weight
-    if has("engine/throughput.py"):  # the throughput part reads count_items
+    if has("engine/parts/throughput.py"):  # the throughput part reads count_items
         # Tokens over both ranks, per second of the same clock; sequences are 3 to 24 tokens, 13.5 on average.
         assert 12 < last_epoch["tokens_per_s"] / last_epoch["samples_per_s"] < 15
     results = []

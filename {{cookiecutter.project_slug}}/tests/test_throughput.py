@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from conftest import FAST, read_metrics, reference_config, reference_task, run_script
 from engine.errors import TaskError
-from engine.throughput import Throughput, peak_flops
+from engine.parts.throughput import Throughput, peak_flops
 
 
 @pytest.mark.parametrize(
@@ -29,7 +29,7 @@ from engine.throughput import Throughput, peak_flops
         (0.0, "Some Future GPU", "bf16", None),
         (0.0, "NVIDIA L40", "bf16", None),  # not an L4
         (0.0, "NVIDIA RTX A1000", "bf16", None),  # not an A100
-        (2.5, None, "fp32", 2.5e12),  # train.peak_tflops wins everywhere
+        (2.5, None, "fp32", 2.5e12),  # throughput.peak_tflops wins everywhere
         (2.5, "NVIDIA A100-SXM4-80GB", "bf16", 2.5e12),
     ],
 )
@@ -66,7 +66,7 @@ def test_count_items_returning_anything_but_a_unit_and_one_number_is_one_line(re
 @pytest.mark.parametrize(("nproc", "accum_steps"), [(None, 1), (2, 2)])
 def test_a_run_reports_items_model_flops_and_mfu_that_agree(tmp_path, nproc, accum_steps):
     args = [*FAST, "data.train_size=256", "train.epochs=1", f"train.accum_steps={accum_steps}"]
-    result = run_script("train.py", [*args, "train.peak_tflops=0.5", f"output_dir={tmp_path}"], nproc=nproc)
+    result = run_script("train.py", [*args, "throughput.peak_tflops=0.5", f"output_dir={tmp_path}"], nproc=nproc)
     (row,) = read_metrics(tmp_path)
     assert row["pixels_per_s"] == pytest.approx(row["samples_per_s"] * 8 * 8, rel=1e-9)  # count_items: 8x8 images
     assert row["mfu"] == pytest.approx(row["model_tflops_per_s"] / 0.5, rel=1e-9) and 0 < row["mfu"] < 1

@@ -19,6 +19,7 @@ class Part:
     saves_sharded = False  # checkpoints are folders of every rank's shards
     holds_weights = False  # a second set of weights (e.g. their average), saved, loaded and evaluated as the model's
 
+    def process_group_env(self, env) -> dict[str, str] | None: ...  # variables for the process group (launched)
     def build_model(self, build, cfg, env, device, blocks) -> nn.Module | None: ...  # built, placed and wrapped
     def prepare_model(self, model: nn.Module) -> nn.Module | None: ...  # as the task built it, before it is moved
     def joins_later(self, model, steps_per_epoch) -> dict[str, int] | None: ...  # {name: step} held back until then
@@ -41,6 +42,8 @@ class Part:
     def log_scalars(self, step: int, scalars: dict) -> None: ...
     def log_epoch(self, row: dict) -> None: ...
     def close_log(self, failed: bool) -> None: ...
+
+    def lost_peer(self, error: BaseException) -> None: ...  # as the process group is left (error.add_note: its line)
 
 
 def modules() -> list:

@@ -27,6 +27,8 @@ from engine.errors import ConfigError
 from engine.logs import log
 from engine.parts import Part
 
+MOVED_KEYS = {f"train.ema_{key}": f"ema.{key}" for key in ("decay", "start_step")}  # 0.5.0's keys
+
 
 @dataclass
 class Section:

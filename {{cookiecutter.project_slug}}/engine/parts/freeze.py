@@ -12,6 +12,8 @@ from engine.errors import ConfigError
 from engine.logs import log
 from engine.parts import Part
 
+MOVED_KEYS = {"train.freeze": "freeze.params", "train.freeze_epochs": "freeze.epochs"}
+
 
 @dataclass
 class Section:

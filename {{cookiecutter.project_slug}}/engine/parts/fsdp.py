@@ -17,6 +17,10 @@ from engine.parts import Part
 from engine.training import AMP_DTYPES
 
 M_MMAP_THRESHOLD = -3  # glibc's mallopt() parameter (engine/host.py sets it, with the host_tuning part)
+MOVED_KEYS = {
+    "train.strategy": ("fsdp.enabled", "set fsdp.enabled=true for strategy fsdp, false for ddp"),
+    "train.fsdp_cpu_offload": "fsdp.cpu_offload",
+}
 FOLDERS = sharded  # reads and writes checkpoint folders, for any run of this project (DDP resumes them too)
 
 

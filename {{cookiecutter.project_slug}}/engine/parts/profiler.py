@@ -9,6 +9,8 @@ from engine.config import check_positive
 from engine.logs import log
 from engine.parts import Part
 
+MOVED_KEYS = {f"train.profile_{key}": f"profiler.{key}" for key in ("steps", "start_step", "all_ranks")}
+
 
 @dataclass
 class Section:

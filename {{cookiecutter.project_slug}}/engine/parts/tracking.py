@@ -10,6 +10,8 @@ from engine.errors import ConfigError, UsageError
 from engine.logs import last_line, log
 from engine.parts import Part
 
+MOVED_KEYS = {"train.tensorboard": "tracking.tensorboard"}
+
 
 @dataclass
 class Section:

@@ -30,9 +30,6 @@ device. Both steps run under autocast when train.precision is bf16 or fp16.
 """
 
 from dataclasses import dataclass
-{%- if cookiecutter.pretrained %}
-from typing import ClassVar
-{%- endif %}
 
 import torch.nn as nn
 import torch.nn.functional as F
@@ -41,9 +38,6 @@ from torchvision.models.resnet import BasicBlock
 
 from data import count_classes
 from engine import ConfigError, Mean, check_positive
-{%- if cookiecutter.pretrained %}
-from engine.pretrained import load_pretrained
-{%- endif %}
 
 
 @dataclass
@@ -52,22 +46,11 @@ class ModelConfig:
     hidden_dim: int = 256  # mlp only
     dropout: float = 0.0  # mlp only
     label_smoothing: float = 0.0  # of the training loss's targets (e.g. 0.1); 0 = plain cross-entropy
-{%- if cookiecutter.pretrained %}
-    pretrained: str = ""  # resnet18 only: torchvision weights to start from, e.g. ResNet18_Weights.DEFAULT
-
-    may_change_on_resume: ClassVar[tuple[str, ...]] = ("pretrained",)  # the start only: a checkpoint has the weights
-{%- endif %}
 
     def __post_init__(self):
         if self.name not in ("resnet18", "mlp"):
             raise ConfigError(f"unknown model.name {self.name!r}: choose resnet18 or mlp, or add yours in model.py")
         check_positive("model.hidden_dim", self.hidden_dim)
-{%- if cookiecutter.pretrained %}
-        if self.pretrained and self.name != "resnet18":
-            raise ConfigError(
-                f"model.pretrained is for resnet18, not {self.name}; set model.name=resnet18 or leave it empty"
-            )
-{%- endif %}
         for key in ("dropout", "label_smoothing"):
             if not 0.0 <= getattr(self, key) < 1.0:
                 raise ConfigError(f"model.{key} must be in [0, 1), got {getattr(self, key)}")
@@ -94,14 +77,7 @@ BLOCKS = (BasicBlock, MLPBlock)
 def build_model(cfg) -> nn.Module:
     num_classes = count_classes(cfg)
     if cfg.model.name == "resnet18":
-{%- if cookiecutter.pretrained %}
-        model = small_image_resnet18(num_classes)
-        if cfg.model.pretrained:  # the small-image stem and a classifier for num_classes stay fresh
-            load_pretrained(model, cfg.model.pretrained)
-        return model
-{%- else %}
         return small_image_resnet18(num_classes)
-{%- endif %}
     in_features = 3 * cfg.data.image_size**2
     return MLP(in_features, cfg.model.hidden_dim, num_classes, cfg.model.dropout)
 

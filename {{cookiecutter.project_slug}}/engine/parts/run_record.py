@@ -1,4 +1,5 @@
-"""What produced a run (git commit, versions, launch, hosts), for checkpoints and the saved config; train.log."""
+"""What produced a run (git commit, versions, launch, hosts), for checkpoints and the saved config; train.log;
+each rank's last collectives when one fails (the flight recorder); gloo's address checked on a multi-node job."""
 
 import contextlib
 import importlib.metadata
@@ -9,15 +10,73 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from engine.distributed import DistEnv, all_gather_objects, broadcast_from_main, is_main
+from engine.config import check_positive
+from engine.distributed import DistEnv, all_gather_objects, broadcast_from_main, get_rank, is_main, whole_number
+from engine.errors import UsageError
+from engine.parts import Part
+
+MOVED_KEYS = {
+    "provenance": "run_record.provenance",
+    "dist.flight_recorder_entries": "run_record.flight_recorder_entries",
+}
 
 GIT_TIMEOUT = 10  # seconds for both git calls: a repository's own hooks or filters may hang
 GIT_ENV = {"GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C"}
-NOT_ASKED = {"unknown": "git commit not recorded (provenance=false)"}
+NOT_ASKED = {"unknown": "git commit not recorded (run_record.provenance=false)"}
+# The flight recorder's variables under the names older PyTorch releases read.
+OLDER_NAMES = {
+    "TORCH_FR_BUFFER_SIZE": "TORCH_NCCL_TRACE_BUFFER_SIZE",
+    "TORCH_FR_DUMP_TEMP_FILE": "TORCH_NCCL_DEBUG_INFO_TEMP_FILE",
+}
+
+
+@dataclass
+class Section:
+    provenance: bool = True  # record the git commit: runs git in the project folder; false: no git call
+    flight_recorder_entries: int = 2000  # collectives each rank keeps for output_dir/flight_recorder (0: off)
+
+    def __post_init__(self):
+        check_positive("run_record.flight_recorder_entries", self.flight_recorder_entries, allow_zero=True)
+
+
+def build(cfg, env) -> "RunRecord":
+    return RunRecord(cfg.run_record.flight_recorder_entries, Path(cfg.output_dir) / "flight_recorder")
+
+
+class RunRecord(Part):
+    name = "run_record"
+
+    def __init__(self, trace_entries: int, trace_dir: Path):
+        self.trace_entries, self.trace_dir = trace_entries, trace_dir
+
+    def process_group_env(self, env: DistEnv) -> dict[str, str]:
+        check_gloo_address(socket.gethostname(), multi_node(os.environ), os.environ)
+        if self.trace_entries:
+            with contextlib.suppress(OSError):  # NCCL's watchdog writes there, but does not make the folder
+                self.trace_dir.mkdir(parents=True, exist_ok=True)  # an unwritable output_dir: reported after the lock
+        return flight_recorder_env(os.environ, self.trace_entries, self.trace_dir)
+
+    def lost_peer(self, error: BaseException) -> None:
+        dump_flight_recorder()
+        if (trace := flight_recorder_file()) is not None and trace.exists():
+            error.add_note(f"Its last collectives: {trace}.")
+
+
+def flight_recorder_env(environ: Mapping[str, str], trace_entries: int, trace_dir: Path) -> dict[str, str]:
+    """Each rank keeps its last `trace_entries` collectives and writes them to `trace_dir`/rank_N when one times
+    out (read them with `python -m torch.distributed.flight_recorder.fr_trace`); under either name, the launch's win."""
+    if not trace_entries:
+        return {}
+    wanted = {"TORCH_FR_BUFFER_SIZE": str(trace_entries), "TORCH_FR_DUMP_TEMP_FILE": f"{trace_dir}/rank_"}
+    return {name: value for name, value in wanted.items() if OLDER_NAMES.get(name, name) not in environ} | {
+        "TORCH_NCCL_DUMP_ON_TIMEOUT": "1"
+    }
 
 
 def describe_run(env: DistEnv, code: Path, record_git: bool = True) -> dict:
@@ -141,3 +200,42 @@ class AlsoTo:
 
     def __getattr__(self, name: str):  # isatty, fileno, encoding: the terminal's
         return getattr(self.stream, name)
+
+
+def multi_node(environ: Mapping[str, str]) -> bool:
+    fix = "the launcher sets it to a whole number; unset yours"
+    if "LOCAL_WORLD_SIZE" in environ and "WORLD_SIZE" in environ:
+        return whole_number(environ, "LOCAL_WORLD_SIZE", fix) < whole_number(environ, "WORLD_SIZE", fix)
+    nodes = "SLURM_STEP_NUM_NODES" if "SLURM_STEP_NUM_NODES" in environ else "SLURM_NNODES"
+    return (whole_number(environ, nodes, fix) or 1) > 1
+
+
+def check_gloo_address(hostname: str, spans_hosts: bool, environ: Mapping[str, str]) -> None:
+    """gloo listens where the host name resolves, often 127.0.1.1 in containers: say so before it hangs."""
+    if not spans_hosts or "GLOO_SOCKET_IFNAME" in environ:
+        return
+    address = ""  # unresolvable: gloo falls back to the loopback address
+    with contextlib.suppress(OSError):
+        address = socket.gethostbyname(hostname)
+    if not address or address.startswith("127."):
+        raise UsageError(
+            f"this host's name {hostname!r} resolves to {address or 'nothing'}, which other nodes cannot reach; "
+            "set GLOO_SOCKET_IFNAME to the interface between the nodes (e.g. GLOO_SOCKET_IFNAME=eth0 or ib0; "
+            "`ip -br addr` lists them)"
+        )
+
+
+def flight_recorder_file() -> Path | None:
+    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE", os.environ.get(OLDER_NAMES["TORCH_FR_DUMP_TEMP_FILE"]))
+    return Path(f"{prefix}{get_rank()}") if prefix else None
+
+
+def dump_flight_recorder() -> None:
+    """Write this rank's flight recorder unless NCCL's watchdog has; before leaving the groups it names."""
+    path = flight_recorder_file()
+    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)  # no public API yet
+    if path is None or dump is None or path.exists():
+        return
+    with contextlib.suppress(OSError):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(dump())

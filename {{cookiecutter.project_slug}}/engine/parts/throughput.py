@@ -2,11 +2,28 @@
 
 import contextlib
 import re
+from dataclasses import dataclass
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from engine.config import check_positive
 from engine.errors import TaskError
+
+MOVED_KEYS = {"train.peak_tflops": "throughput.peak_tflops"}
+
+
+@dataclass
+class Section:
+    peak_tflops: float = 0.0  # one device's peak, for the MFU figure; 0 = a listed GPU's (PEAK_TFLOPS below)
+
+    def __post_init__(self):
+        check_positive("throughput.peak_tflops", self.peak_tflops, allow_zero=True)
+
+
+def build(cfg, env) -> None:
+    return None  # the loop counts through EpochStats (engine/training.py); this module holds the settings
+
 
 # Dense bf16/fp16 TFLOPS, NVIDIA's data sheets; the first whole word of the device name (L4 is not L40) counts.
 PEAK_TFLOPS = (
@@ -43,7 +60,7 @@ class Throughput:
     @classmethod
     def of_run(cls, cfg, device: torch.device, count_items) -> "Throughput":
         name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        return cls(count_items, peak_flops(cfg.train.peak_tflops, name, cfg.train.precision), device)
+        return cls(count_items, peak_flops(cfg.throughput.peak_tflops, name, cfg.train.precision), device)
 
     @contextlib.contextmanager
     def counting_flops(self):

@@ -28,10 +28,9 @@ import train  # noqa: E402
 from data import count_classes  # noqa: E402
 from engine.checkpoint import Checkpointer  # noqa: E402
 from engine.distributed import cleanup_distributed, init_distributed_mode  # noqa: E402
-from engine.host import set_host_allocator  # noqa: E402
+from engine.hooks import build_parts  # noqa: E402
 from engine.lifecycle import StopRequest  # noqa: E402
 from engine.logs import QuietLog  # noqa: E402
-from engine.parts import build_parts  # noqa: E402
 from engine.parts.memory import train_state_mib  # noqa: E402
 from engine.sharded import sharded_state_dict  # noqa: E402
 from torch.distributed.checkpoint import FileSystemWriter  # noqa: E402
@@ -77,12 +76,11 @@ def main(out: str, overrides: list[str]) -> None:
     row = {"rank": env.rank, "runtime_mib": status_mib("VmRSS")}  # torch and the process group
     train.build_model, train.BLOCKS = build_deep_mlp, (model.MLPBlock,)  # what load_train_objs builds
     checkpointer = Checkpointer(cfg, env, device)
-    parts = build_parts(cfg, env)
+    parts = build_parts(cfg, env)  # the host_tuning part sets the steps' allocator here, as in train.py
     sharded = any(part.shards_model for part in parts)
     train_loader, val_loader, state = train.load_train_objs(cfg, env, device, checkpointer, parts, None)
     row["setup_peak_mib"] = status_mib("VmHWM")
     stop = StopRequest(cfg.dist.timeout_minutes, cfg.train.stop_at_step).install(env.launcher)
-    set_host_allocator(parts)  # as train.py does (before setup there; here after, to measure setup's own peak)
     reset_peak()
     train.Run(cfg, env, state, (train_loader, val_loader), checkpointer, stop, QuietLog()).train_epoch()
     row["step_peak_mib"] = status_mib("VmHWM")

@@ -14,8 +14,7 @@ Exit codes: 0 done (or at train.stop_at_step); 75 stopped by a signal, run it ag
 import argparse
 import enum
 import functools
-{% if cookiecutter.host_tuning %}import gc
-{% endif %}import inspect
+import inspect
 import os
 import time
 from pathlib import Path
@@ -24,8 +23,7 @@ import torch.nn as nn
 from torch.distributed.elastic.multiprocessing.errors import record
 
 import data
-{% if cookiecutter.throughput %}import model as task
-{% endif %}import recipe
+import recipe
 from data import DataConfig, build_datasets, prepare_data
 from engine.checkpoint import Checkpointer
 from engine.config import effective_batch, format_config, load_config, save_config
@@ -40,16 +38,13 @@ from engine.distributed import (
     stop_all_if_any_fails,
 )
 from engine.errors import UsageError
-{% if cookiecutter.host_tuning %}from engine.host import freeze_setup_objects, set_host_allocator
-{% endif %}from engine.lifecycle import RunLock, StopRequest, leave_stop_signals_to_the_rank
+from engine.hooks import build_parts
+from engine.lifecycle import RunLock, StopRequest, leave_stop_signals_to_the_rank
 from engine.loader import build_train_loader, build_val_loader, move_to_device, steps_per_epoch
-from engine.logs import QuietLog, RunLog, {{ 'hand_to_launcher, ' if cookiecutter.launcher }}log, report_errors
+from engine.logs import QuietLog, RunLog, hand_to_launcher, log, report_errors
 from engine.metrics import evaluate
 from engine.parallel import build_and_wrap, memory_format, wrap_ddp
-from engine.parts import build_parts
-{% if cookiecutter.run_record %}from engine.parts.run_record import commit_line, describe_run, header, keep_output_in
-{% endif %}{% if cookiecutter.throughput %}from engine.parts.throughput import Throughput
-{% endif %}from engine.seeding import borrowed_rng, derive_seed, seed_everything, set_determinism
+from engine.seeding import borrowed_rng, derive_seed, seed_everything, set_determinism
 from engine.training import (
     EpochStats,
     NonFiniteGuard,
@@ -82,51 +77,29 @@ def main(argv=None) -> int:
         return 0
     parts = build_parts(cfg, parse_dist_env(os.environ))  # the optional features the config turns on (engine/parts)
     env, device = init_distributed_mode(cfg.dist, parts)  # a part may set variables first
-{%- if cookiecutter.host_tuning %}
-{%- if cookiecutter.fsdp %}
-    # What each step frees: kept for the next, or given back where a part says so (FSDP). Set
-    # before the model is built, so that what setup frees is handled the same way.
-{%- else %}
-    # What each step frees is kept for the next; set before the model is built, so that what
-    # setup frees is handled the same way.
-{%- endif %}
-    set_host_allocator(parts)
-{%- endif %}
     lock, loaders = None, ()
     try:
         with stop_all_if_any_fails(device):
             if is_main():  # one run per output_dir, taken before anything is written there
                 lock = RunLock(cfg.output_dir).acquire()
-{%- if cookiecutter.run_record %}
-                keep_output_in(Path(cfg.output_dir) / "train.log")  # rank 0's lines, across resumes
-{%- endif %}
+                for part in parts:
+                    part.output_dir_held(cfg.output_dir)  # e.g. a record of rank 0's lines
         stop = StopRequest(cfg.dist.timeout_minutes, cfg.train.stop_at_step).install(env.launcher)
         check_precision(cfg, device)
         set_determinism(cfg.train.deterministic, device)
-{%- if cookiecutter.run_record %}
-        # The git commit, versions, hosts.
-        provenance = describe_run(env, Path(__file__).resolve().parent, cfg.run_record.provenance)
-        checkpointer = Checkpointer(cfg, env, device, provenance)
-{%- else %}
         checkpointer = Checkpointer(cfg, env, device)
-{%- endif %}
         train_loader, val_loader, state = load_train_objs(cfg, env, device, checkpointer, parts, stop.group)
         loaders = (train_loader, val_loader)
         rng_restored = checkpointer.resume(state)
         if cfg.train.sanity_check:
             sanity_check(state, val_loader, cfg, checkpointer)
-{%- if cookiecutter.tracking %}
         # Rank 0's log and the parts' records, e.g. trackers (a QuietLog elsewhere), closed at the
         # end: their runs as failed on an error.
-{%- else %}
-        # Rank 0's log (a QuietLog elsewhere).
-{%- endif %}
-        with start_run_log(cfg, env, state, loaders{{ ', provenance' if cookiecutter.run_record }}) as run_log:
+        with start_run_log(cfg, env, state, loaders) as run_log:
             Run(cfg, env, state, loaders, checkpointer, stop, run_log).train(rng_restored)
     finally:
-{%- if cookiecutter.host_tuning %}
-        gc.unfreeze()
-{%- endif %}
+        for part in parts:
+            part.end()
         if lock is not None:
             lock.release()
         try:
@@ -153,20 +126,16 @@ def load_train_objs(cfg, env, device, checkpointer: Checkpointer, parts: list, v
 
     seed_everything(cfg.seed)  # the same initial weights on every rank
 
-
     def build() -> nn.Module:
         model = build_model(cfg)
         for part in parts:
             model = part.prepare_model(model) or model  # e.g. published weights loaded, parameters frozen
         return model
 
-    # SyncBatchNorm, device, DDP{{ "; or FSDP's sharding (no full copy on any device)" if cookiecutter.fsdp }}.
+    # SyncBatchNorm, device, DDP; or as a part builds it (e.g. sharded, no full copy on any device).
     model, train_model = build_and_wrap(build, cfg, env, device, BLOCKS, parts)
-{%- if cookiecutter.freezing %}
+    # Parameters a part holds back until a later step (e.g. frozen for the first epochs).
     joins_later = {name: step for part in parts for name, step in (part.joins_later(model, steps) or {}).items()}
-{%- else %}
-    joins_later = {}  # no part freezes parameters
-{%- endif %}
     optimizer = build_optimizer(model, cfg, env.world_size, joins_later)
     scheduler = recipe.build_scheduler(optimizer, cfg, steps)
     scaler = build_grad_scaler(cfg.train.precision, device)
@@ -210,47 +179,35 @@ def sanity_check(state: TrainState, val_loader, cfg, checkpointer: Checkpointer)
     checkpointer.check_best_metric(results)
 
 
-def start_run_log(cfg, env, state: TrainState, loaders{{ ', provenance: dict' if cookiecutter.run_record }}) -> RunLog | QuietLog:
-{%- if cookiecutter.tracking %}
-    """On rank 0: save the resolved config, say what runs, open the run's log and its
-    trackers; a QuietLog elsewhere. An unwritable output_dir or a tracker that cannot start
-    stops every rank here. Every rank must call this."""
-{%- else %}
-    """On rank 0: save the resolved config, say what runs, open the run's log; a QuietLog
-    elsewhere. An unwritable output_dir stops every rank here. Every rank must call this."""
-{%- endif %}
+def start_run_log(cfg, env, state: TrainState, loaders) -> RunLog | QuietLog:
+    """On rank 0: save the resolved config (under the parts' header lines, e.g. what produced
+    the run), say what runs, open the run's log and the parts' records (e.g. trackers); a
+    QuietLog elsewhere. An unwritable output_dir or a tracker that cannot start stops every
+    rank here. Every rank must call this."""
     run_log, (train_loader, val_loader) = QuietLog(), loaders
     per_step = effective_batch(cfg.train, env.world_size)
     with stop_all_if_any_fails(state.device):
         if is_main():
-            save_config(cfg, Path(cfg.output_dir) / "config.yaml"{{ ', header(provenance)' if cookiecutter.run_record }})
+            header = "".join(part.config_header() or "" for part in state.parts)
+            save_config(cfg, Path(cfg.output_dir) / "config.yaml", header)
             stream = state.steps_per_epoch is None
             train = "streamed" if stream else f"{len(train_loader.dataset)}"
             length = f"{cfg.train.max_steps} steps" if stream else f"{state.steps_per_epoch} steps/epoch"
             log(
-                f"training on {env.world_size} process(es), {state.device.type}, {{ '{state.wrapping}' if cookiecutter.fsdp else 'ddp' }}, "
-{%- if cookiecutter.run_record %}
-                f"{commit_line(provenance)}; {train} train / {len(val_loader.dataset)} val samples; "
-{%- else %}
+                f"training on {env.world_size} process(es), {state.device.type}, {state.wrapping}, "
                 f"{train} train / {len(val_loader.dataset)} val samples; "
-{%- endif %}
                 f"effective batch {per_step}; {length}"
             )
             log(recipe.describe(cfg, env.world_size, state.steps_per_epoch))
             log(beyond_a_plain_loop(cfg.train, state, getattr(train_loader.sampler, "epoch_samples", None), per_step))
-{%- if cookiecutter.tracking %}
             run_log = RunLog(cfg, per_step, state.step, state.parts)  # and the parts' records, e.g. trackers
-{%- else %}
-            run_log = RunLog(cfg, per_step, state.step)
-{%- endif %}
     return run_log
-{%- if cookiecutter.ema %}
 
 
 def evaluate_weights(state: TrainState, val_loader, cfg, max_batches=None, stop: StopRequest | None = None):
     """The model's validation metrics and, beside them, those of each part's set of weights
-    (e.g. the EMA's as ema_val_*). None if a stop came during an evaluation. Every rank must
-    call this."""
+    (e.g. an average's, as <part>_val_*). None if a stop came during an evaluation. Every rank
+    must call this."""
     results = evaluate_model(state, val_loader, cfg, max_batches, stop)
     for part in state.parts:
         if results is None or not part.holds_weights:
@@ -264,19 +221,8 @@ def evaluate_weights(state: TrainState, val_loader, cfg, max_batches=None, stop:
 
 
 def evaluate_model(state: TrainState, val_loader, cfg, max_batches, stop: StopRequest | None):
-{%- else %}
-
-
-def evaluate_weights(state: TrainState, val_loader, cfg, max_batches=None, stop: StopRequest | None = None):
-    """The model's validation metrics; None if a stop came during an evaluation. Every
-    rank must call this."""
-{%- endif %}
-{%- if cookiecutter.fsdp %}
-    if state.wrapping == "ddp":
+    if state.wrapping == "ddp":  # a sharded model's buffers are rank 0's already
         broadcast_buffers(state.model)  # evaluate and save rank 0's BatchNorm statistics
-{%- else %}
-    broadcast_buffers(state.model)  # evaluate and save rank 0's BatchNorm statistics
-{%- endif %}
     metrics = build_metrics(cfg)
     during = stop.during_evaluation() if stop is not None else None
     step = functools.partial(validation_step, cfg=cfg)  # model.py's, with the run's settings
@@ -288,7 +234,7 @@ class Outcome(enum.Enum):
     DivergedError, which stops every rank in one line."""
 
     GO_ON = "go on"  # the run is not over: train on
-    DONE = "done"  # the run has its length{{ ", or a part ended it (early stopping)" if cookiecutter.early_stopping }}
+    DONE = "done"  # the run has its length, or a part ended it (e.g. early stopping)
     STOPPED = "stopped"  # asked to stop (a signal, train.stop_at_step): saved, the same command continues
 
 
@@ -303,12 +249,8 @@ class Run:
         self.training_step = functools.partial(training_step, cfg=cfg)  # model.py's, with the run's settings
         self.augment = build_augment(cfg, self.train_loader.data_set)  # data.py's, if any (e.g. MixUp), built once
         self.step_lr = state.scheduler.get_last_lr()[0]  # the last step's rate (before any, the next's)
-{%- if cookiecutter.throughput %}
-        # The losses since the last evaluation, the task's items (model.py's count_items), the MFU.
-        self.stats = EpochStats(state.device, Throughput.of_run(cfg, state.device, getattr(task, "count_items", None)))
-{%- else %}
-        self.stats = EpochStats(state.device)  # the losses since the last evaluation
-{%- endif %}
+        # The losses since the last evaluation, and what the parts measure of the steps (e.g. items, FLOPs).
+        self.stats = EpochStats(state.device, state.parts)
 
     def train(self, rng_restored: bool) -> Outcome:
         """Epoch after epoch, until the run is done or stopped (then with a checkpoint).
@@ -316,13 +258,8 @@ class Run:
         state, cfg = self.state, self.cfg
         # A hang fails the run after dist.step_timeout_minutes once the first step is done.
         shorten_timeout_after_first_step(state.optimizer, cfg.dist.step_timeout_minutes, [self.stop.group])
-{%- if cookiecutter.memory_report or cookiecutter.profiler %}
         for part in state.parts:
-            part.start(state)
-{%- endif %}
-{%- if cookiecutter.host_tuning %}
-        freeze_setup_objects()  # no full garbage collection pauses inside the steps
-{%- endif %}
+            part.start(state)  # e.g. a profiler's schedule, setup's objects kept out of garbage collections
         self.stats.reset()  # the clock starts with the steps
         if state.batches_done:  # resumed mid-epoch: its figures are this run's part only
             self.log.log(f"epoch {state.epoch}'s train_* figures will cover its steps from {state.step + 1} on")
@@ -338,20 +275,16 @@ class Run:
             outcome = self.train_epoch()
         if outcome is Outcome.STOPPED:
             self.save_stopped()
-{%- if cookiecutter.early_stopping %}
-        elif state.stop_reason():  # also when a resumed run had already stopped
+        elif state.stop_reason():  # a part ended it, also when a resumed run had already stopped
             self.log.log(state.stop_reason())
-{%- endif %}
         return outcome
 
     def done(self) -> bool:
         """Whether the run has its length, and its last evaluation: train.max_steps steps if
-        set, else train.epochs epochs{{ "; or a part ended it (early stopping)" if cookiecutter.early_stopping }}."""
+        set, else train.epochs epochs; or a part ended it (e.g. early stopping)."""
         state, last = self.state, self.cfg.train.max_steps
-{%- if cookiecutter.early_stopping %}
         if state.stop_reason():
             return True
-{%- endif %}
         if not last:
             return state.epoch >= self.cfg.train.epochs
         return state.step > last or (state.step == last and state.evaluated_step == last)
@@ -387,21 +320,13 @@ class Run:
         try:
             for batch in self.train_loader:
                 batch = self.augmented(move_to_device(batch, state.device, memory_format(cfg)))
-{%- if cookiecutter.throughput %}
-                with self.stats.throughput.counting_flops():  # the first micro-batch's, for the MFU
+                with self.stats.measuring(batch):  # what parts measure of it (e.g. the first one's FLOPs)
                     losses = forward_backward(state, batch, self.training_step, cfg.train.precision)  # loss, backward
-                self.stats.add(losses, batch)
-{%- else %}
-                losses = forward_backward(state, batch, self.training_step, cfg.train.precision)  # the task's loss
                 self.stats.add(losses)
-{%- endif %}
                 if not state.completes_step():
                     continue  # accumulate gradients
                 self.step_lr = state.scheduler.get_last_lr()[0]  # this step's: optimizer_step moves the schedule on
                 optimizer_step(state, cfg.train)
-{%- if cookiecutter.throughput %}
-                self.stats.step_done()
-{%- endif %}
                 progress.update(state.step, losses["loss"], self.step_lr)
                 if self.stop.requested(state.step):  # a signal to any rank, or train.stop_at_step
                     return Outcome.STOPPED
@@ -436,11 +361,9 @@ class Run:
             self.log.log(f"the evaluation {which} stopped; the next run evaluates it again")
             return Outcome.STOPPED
         row = {"epoch": state.epoch, "step": state.step, **train_metrics, **val_metrics}
-{%- if cookiecutter.memory_report %}
         for part in state.parts:
             row |= part.epoch_figures(state) or {}  # e.g. every rank's memory
-{%- endif %}
-        # outside_train_s: the evaluation's time{{ ", and the parts' (e.g. the memory report's)" if cookiecutter.memory_report }}.
+        # outside_train_s: the evaluation's time, and the parts' (e.g. the memory report's).
         row |= {"lr": self.step_lr, "outside_train_s": time.perf_counter() - start}
         # The row before the checkpoint: if the save fails, the next run trains again from the
         # previous checkpoint and rewinds metrics.jsonl to it (RunLog).
@@ -465,10 +388,8 @@ class Run:
             f"{time.monotonic() - started:.1f} s, run the same command to continue"
         )
         self.log.log(stopped)
-{%- if cookiecutter.launcher %}
         if self.stop.exit_code():  # to a launcher's summary too, instead of a failure
             hand_to_launcher(stopped, self.stop.exit_code())
-{%- endif %}
 
 
 if __name__ == "__main__":

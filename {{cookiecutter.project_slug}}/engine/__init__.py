@@ -8,8 +8,8 @@ config.yaml (settings) and train.py (the order of things), which import from her
 
 from engine.config import check_at_most, check_choice, check_positive, effective_batch
 from engine.errors import ConfigError, TaskError, UsageError
+from engine.hooks import Part
 from engine.metrics import Gathered, Mean, Sum
-from engine.parts import Part
 from engine.seeding import derive_seed
 
 # What a task imports from here: errors, metrics and the Part protocol; then helpers.

@@ -1,5 +1,5 @@
 """Checkpoints: atomic writes, reads that run no code (weights_only) and refuse what is not ours, auto-resume.
-<output_dir>/checkpoints/ keeps the newest checkpoint.keep_last step-00001234.pt{{ " (or .dcp/, engine/sharded.py)" if cookiecutter.fsdp }}; last.pt
+<output_dir>/checkpoints/ keeps the newest checkpoint.keep_last step-00001234.pt (or a part's folders, .dcp/); last.pt
 and best.pt link to them, so best.pt outlives its step file."""
 
 import dataclasses
@@ -16,20 +16,19 @@ from pathlib import Path
 
 import safetensors.torch
 import torch
-{% if cookiecutter.fsdp %}from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-{% endif %}
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
 from engine.config import Config, TrainConfig, effective_batch, field_default, plain
 from engine.distributed import DistEnv, all_gather_objects, gather_objects_on_main, is_main, stop_all_if_any_fails
 from engine.errors import CheckpointError, UsageError
 from engine.files import atomic_write, fsync_dir
+from engine.hooks import modules
 from engine.lifecycle import pid_alive
 from engine.logs import log
-{% if cookiecutter.fsdp %}from engine.parts import modules
-{% endif %}from engine.seeding import capture_rng_state, restore_rng_state
+from engine.seeding import capture_rng_state, restore_rng_state
 
-{% if cookiecutter.fsdp %}STEP_FILE = re.compile(r"^step-(\d+)(?:\.(\d+))?\.(pt|dcp)$")  # step-00001234.pt, .dcp, a folder saved again: .1.dcp
-{% else %}STEP_FILE = re.compile(r"^step-(\d+)\.pt$")  # step-00001234.pt
-{% endif %}PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")  # added by DDP and torch.compile wrappers
+STEP_FILE = re.compile(r"^step-(\d+)(?:\.(\d+))?\.(pt|dcp)$")  # step-00001234.pt, .dcp, a folder saved again: .1.dcp
+PREFIXES = re.compile(r"^(?:module\.|_orig_mod\.)+")  # added by DDP and torch.compile wrappers
 WRITER_PID = re.compile(r"\.pid(\d+)\.")  # in a temporary file's name: '.step-00000012.pt.pid4242.x1y2.tmp'
 CHECKPOINT_FORMAT = 2  # raised on a change of contents, so older engines refuse it (2: optim, "states", "weight_sets")
 SHAPE = ("batch_size", "accum_steps")  # train's keys that, with the world size, decide the data's order
@@ -89,25 +88,18 @@ def checkpoint_dir(output_dir: str | Path) -> Path:
 def save_checkpoint(state: dict, directory: Path, step: int, keep_last: int, is_best: bool) -> Path:
     """Write step-<step>.pt, point last.pt (and best.pt) at it, prune; or one line. Rank 0 only."""
     path = directory / f"step-{step:08d}.pt"
-{#- With fsdp, publish() also links a folder; without, the file's own writing is here. #}
-{%- if cookiecutter.fsdp %}
     return publish(path, lambda: atomic_write(directory, path.name, lambda f: torch.save(state, f)), keep_last, is_best)
 
 
 def publish(path: Path, write, keep_last: int, is_best: bool) -> Path:
-    """`write()` the checkpoint `path` (a file or a folder), point last.pt (and best.pt) at it, prune; or one line."""
+    """`write()` the checkpoint `path` (a file, or a part's folder), point last.pt (and best.pt) at it, prune; or
+    one line."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         write()
-{%- else %}
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-        atomic_write(directory, path.name, lambda f: torch.save(state, f))
-{%- endif %}
         for link in ["last.pt", "best.pt"][: 1 + is_best]:
             tmp = path.with_name(f".{link}.pid{os.getpid()}.link.tmp")
             tmp.unlink(missing_ok=True)
-{%- if cookiecutter.fsdp %}
             if path.is_dir():
                 os.symlink(path.name, tmp)  # relative: the checkpoints folder may be moved or mounted elsewhere
             else:
@@ -115,12 +107,6 @@ def publish(path: Path, write, keep_last: int, is_best: bool) -> Path:
                     os.link(path, tmp)
                 except OSError:  # file systems without hard links
                     shutil.copyfile(path, tmp)
-{%- else %}
-            try:
-                os.link(path, tmp)
-            except OSError:  # file systems without hard links
-                shutil.copyfile(path, tmp)
-{%- endif %}
             os.replace(tmp, path.with_name(link))
             fsync_dir(path.parent)
         prune(path.parent, keep_last)
@@ -132,35 +118,19 @@ def publish(path: Path, write, keep_last: int, is_best: bool) -> Path:
 
 def step_checkpoints(directory: Path) -> list[Path]:
     found = [p for p in directory.iterdir() if STEP_FILE.match(p.name)] if directory.is_dir() else []
-    return sorted(found, key={{ "step_and_revision" if cookiecutter.fsdp else "step_of" }})
+    return sorted(found, key=lambda path: (step_of(path), int(STEP_FILE.match(path.name)[2] or 0)))  # .1.dcp after
 
 
 def step_of(path: Path) -> int:
     return int(STEP_FILE.match(path.name)[1])
-{%- if cookiecutter.fsdp %}
-
-
-def step_and_revision(path: Path) -> tuple[int, int]:
-    """A folder saved again at its step (step-*.1.dcp) sorts after the first."""
-    return step_of(path), int(STEP_FILE.match(path.name)[2] or 0)
-{%- endif %}
 
 
 def prune(directory: Path, keep_last: int) -> None:
-    """Keep the newest `keep_last` step checkpoints{{ " (and linked folders)" if cookiecutter.fsdp }}; remove '.*.tmp' leftovers."""
-{%- if cookiecutter.fsdp %}
+    """Keep the newest `keep_last` step checkpoints (and folders last.pt or best.pt link to); remove '.*.tmp'
+    leftovers."""
     linked = {os.readlink(link) for link in (directory / "last.pt", directory / "best.pt") if link.is_symlink()}
-    for old in step_checkpoints(directory)[:-keep_last]:
-        if old.name not in linked:
-            remove(old)
-    for stale in leftovers(directory):
-        remove(stale)
-{%- else %}
-    for old in [*step_checkpoints(directory)[:-keep_last], *leftovers(directory)]:
-        if not old.is_dir():  # a folder is none of this project's leftovers: left alone
-            old.unlink(missing_ok=True)
-{%- endif %}
-{%- if cookiecutter.fsdp %}
+    for old in [*(p for p in step_checkpoints(directory)[:-keep_last] if p.name not in linked), *leftovers(directory)]:
+        remove(old)
 
 
 def remove(path: Path) -> None:
@@ -170,7 +140,6 @@ def remove(path: Path) -> None:
     else:
         doomed = path if path.name.endswith(".tmp") else path.rename(path.with_name(f".{path.name}.del.tmp"))
         shutil.rmtree(doomed, ignore_errors=True)
-{%- endif %}
 
 
 def leftovers(directory: Path) -> list[Path]:
@@ -185,18 +154,11 @@ def leftovers(directory: Path) -> list[Path]:
 
 
 def load_checkpoint(path: str | Path, tensors: bool = True) -> dict:
-    """A checkpoint of this project on the CPU, anything else refused in one line{{ " (a folder's tensors\n    only with `tensors`: else load_weights reads them shard by shard)" if cookiecutter.fsdp }}."""
+    """A checkpoint of this project on the CPU, anything else refused in one line (a folder's tensors only with
+    `tensors`: else load_weights reads them shard by shard)."""
     path = Path(path)
     if path.is_dir():
-{%- if cookiecutter.fsdp %}
-        return folders().read_checkpoint(path, tensors)
-{%- else %}
-        raise UnusableCheckpoint(
-            f"checkpoint {str(path)!r} is a folder, and this project reads .pt files only (folders of shards "
-            "come with the fsdp answer when it is generated)",
-            "use a .pt checkpoint",
-        )
-{%- endif %}
+        return folders(path).read_checkpoint(path, tensors)
     state = load_plain(path)
     check_contents(path, state)
     return state
@@ -218,26 +180,13 @@ def check_contents(path: Path, state: dict) -> None:
             raise not_ours(path, f"no {key!r}")
         if not isinstance(state[key], kind) or isinstance(state[key], bool):
             raise not_ours(path, f"{key!r} is {a(type(state[key]))}, not {a(kind)}")
-{%- if cookiecutter.ema %}
-    for key in weight_sets(state):  # a part's set is missing when that part was off
-        weights = state.get(key, {})
+    for key in ["model", *state.get("weight_sets", ["ema"] if "ema" in state else [])]:  # and the parts' sets
+        weights = state.get(key, {})  # a part's set is missing when that part was off
         if not isinstance(weights, dict):
             raise not_ours(path, f"{key!r} is {a(type(weights))}, not a dict")
         for name, value in weights.items():
             if not isinstance(value, torch.Tensor):
                 raise not_ours(path, f"{key!r} holds {name!r}: {a(type(value))}, not a tensor")
-{%- else %}
-    for name, value in state["model"].items():
-        if not isinstance(value, torch.Tensor):
-            raise not_ours(path, f"'model' holds {name!r}: {a(type(value))}, not a tensor")
-{%- endif %}
-{%- if cookiecutter.ema %}
-
-
-def weight_sets(state: dict) -> list[str]:
-    """The weight sets: "model" and its parts' (e.g. "ema")."""
-    return ["model", *state.get("weight_sets", ["ema"] if "ema" in state else [])]
-{%- endif %}
 
 
 def a(kind: type) -> str:
@@ -253,20 +202,23 @@ def not_ours(path: Path, detail: str) -> UnusableCheckpoint:
 
 def load_model_state(path: str | Path) -> tuple[dict, dict]:
     """A checkpoint's whole model weights and the config that built them."""
-{%- if cookiecutter.fsdp %}
     if Path(path).is_dir():
         config = load_checkpoint(path, tensors=False)["config"]
-        return strip_prefixes(folders().load_full(Path(path), keys={"model"})["model"]), config
-{%- endif %}
+        return strip_prefixes(folders(Path(path)).load_full(Path(path), keys={"model"})["model"]), config
     ckpt = load_checkpoint(path)
     return strip_prefixes(ckpt["model"]), ckpt["config"]
-{%- if cookiecutter.fsdp %}
 
 
-def folders():
-    """engine/sharded.py's FOLDERS."""
-    return next(module.FOLDERS for module in modules() if hasattr(module, "FOLDERS"))
-{%- endif %}
+def folders(path: Path):
+    """The module of the part that reads and writes checkpoint folders (e.g. sharded ones), to read `path`."""
+    found = next((module.FOLDERS for module in modules() if hasattr(module, "FOLDERS")), None)
+    if found is None:
+        raise UnusableCheckpoint(
+            f"checkpoint {str(path)!r} is a folder, and this project reads .pt files only (folders of shards "
+            "come with the fsdp answer when it is generated)",
+            "use a .pt checkpoint",
+        )
+    return found
 
 
 def load_plain(path: Path) -> dict:
@@ -360,50 +312,27 @@ def strip_prefixes(state_dict: dict) -> dict:
 def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) -> None:
     weights = strip_prefixes(state_dict)
     check_shapes(model, weights, source)
-{%- if cookiecutter.fsdp %}
     set_model_state_dict(model, weights, options=StateDictOptions(full_state_dict=True))  # a sharded model's too
-{%- else %}
-    model.load_state_dict(weights)
-{%- endif %}
-{%- if cookiecutter.ema or cookiecutter.fsdp %}
 
 
-def load_weights(model: torch.nn.Module, path: Path, ckpt: dict{{ ", optimizer=None" if cookiecutter.fsdp }}, part: str = "model") -> None:
-    """A checkpoint's model weights (`ckpt`: load_checkpoint(path{{ ", tensors=False" if cookiecutter.fsdp }})){{ '; part="ema": that set' if cookiecutter.ema }}.{% if cookiecutter.fsdp %}
-    A folder's tensors (and `optimizer` state) each rank reads shard by shard: every rank must call this.{% endif %}"""
-{%- if cookiecutter.ema %}
+def load_weights(model: torch.nn.Module, path: Path, ckpt: dict, optimizer=None, part: str = "model") -> None:
+    """A checkpoint's model weights, or a part's set (part="ema"); `ckpt`: load_checkpoint(path, tensors=False).
+    A folder's tensors (and `optimizer` state) each rank reads shard by shard: every rank must call this."""
     if not has_part(path, ckpt, part):
         raise CheckpointError(f"{path} has no {part!r} weights (that part was off when it was saved)")
-{%- endif %}
-{%- if cookiecutter.fsdp %}
     if part not in ckpt:
-        return folders().load_sharded(model, path, optimizer, part)
-{%- endif %}
+        return folders(path).load_sharded(model, path, optimizer, part)
     load_model_weights(model, ckpt[part], str(path))
-{%- endif %}
-{%- if cookiecutter.ema %}
 
 
 def has_part(path: Path, ckpt: dict, part: str) -> bool:
-    """Whether a checkpoint file{{ ", or a folder's metadata," if cookiecutter.fsdp }} holds `part`."""
-    return part in ckpt{{ ' if "model" in ckpt else folders().holds(path, part)' if cookiecutter.fsdp }}
-
-
-def load_part_weights(part, model: torch.nn.Module, path: Path, ckpt: dict) -> None:
-    """`part`'s set of weights (e.g. the EMA); none saved (the part just turned on): the model's."""
-    if not has_part(path, ckpt, part.name):
-        part.reset_weights()
-        if is_main():
-            log(f"note: {path} has no {part.name!r} weights; they start from the model's weights")
-        return
-    with part.swapped_into_model():  # loaded as the model's own weights are
-        load_weights(model, path, ckpt, part=part.name)
-{%- endif %}
+    """Whether a checkpoint file, or a folder's metadata, holds `part`."""
+    return part in ckpt if "model" in ckpt else folders(path).holds(path, part)
 
 
 def check_shapes(model: torch.nn.Module, saved: dict, source: str) -> None:
-    """Name the first weight missing, extra, or of another shape or kind of dtype.{% if cookiecutter.fsdp %} `saved`: the
-    weights, or a folder's as meta tensors from its metadata (FSDP's sharded parameters report full shapes).{% endif %}"""
+    """Name the first weight missing, extra, or of another shape or kind of dtype. `saved`: the weights, or a
+    folder's as meta tensors from its metadata (a sharded model's parameters report full shapes)."""
     expected = model.state_dict()
     for key, value in expected.items():
         if key not in saved:
@@ -427,11 +356,8 @@ def check_shapes(model: torch.nn.Module, saved: dict, source: str) -> None:
 class Checkpointer:
     """When to save, which is best, where to resume. Every rank calls its methods."""
 
-    def __init__(self, cfg: Config, env: DistEnv, device: torch.device{{ ', provenance: dict | None = None' if cookiecutter.run_record }}):
+    def __init__(self, cfg: Config, env: DistEnv, device: torch.device):
         self.cfg, self.env, self.device = cfg, env, device
-{%- if cookiecutter.run_record %}
-        self.provenance = provenance  # what produced the run (engine/parts/run_record.py), in every checkpoint
-{%- endif %}
         self.directory = checkpoint_dir(cfg.output_dir)
 
     def save_if_due(self, state) -> None:
@@ -448,16 +374,11 @@ class Checkpointer:
             "config": self.cfg.to_dict(),
             "world_size": self.env.world_size,
             "rng": gather_objects_on_main(capture_rng_state()),  # each rank's, for an exact resume; None off rank 0
-{%- if cookiecutter.run_record %}
-            **({"provenance": self.provenance} if self.provenance else {}),
-{%- endif %}
         }
         keep_last = self.cfg.checkpoint.keep_last
         try:
-{%- if cookiecutter.fsdp %}
             if any(part.saves_sharded for part in state.parts):  # folders on any number of processes: one kind per run
-                return folders().save_folder(self, state, {**state.run_state_dict(), **run}, is_best)
-{%- endif %}
+                return folders(self.directory).save_folder(self, state, {**state.run_state_dict(), **run}, is_best)
             with stop_all_if_any_fails(self.device):
                 if is_main():
                     save_checkpoint({**state.state_dict(), **run}, self.directory, state.step, keep_last, is_best)
@@ -506,38 +427,22 @@ class Checkpointer:
             init_from = self.cfg.checkpoint.init_from
             if init_from:
                 with stop_all_if_any_fails(self.device):  # unreadable on some node: every rank stops
-                    ckpt = load_checkpoint(init_from{{ ", tensors=False" if cookiecutter.fsdp }})
-{%- if cookiecutter.ema or cookiecutter.fsdp %}
+                    ckpt = load_checkpoint(init_from, tensors=False)
                 load_weights(state.model, Path(init_from), ckpt)
-{%- else %}
-                load_model_weights(state.model, ckpt["model"], init_from)
-{%- endif %}
-{%- if cookiecutter.ema %}
                 for part in state.parts:
-                    if part.holds_weights:  # e.g. an average of the weights fine-tuning starts from
-                        part.reset_weights()
-{%- endif %}
+                    part.after_load(state, Path(init_from), ckpt, resumed=False)  # e.g. an average starts from them
                 if is_main():
                     log(f"initialised model weights from {init_from} (fine-tuning)")
             return False
         path, ckpt = found
         refuse_changed_settings(path, ckpt["config"], self.cfg)
-{%- if cookiecutter.freezing %}
         # An epoch's end counts as that epoch (e.g. for which parameters were frozen).
         trained_epoch = ckpt["epoch"] - 1 if ckpt["batches_done"] == 0 and ckpt["epoch"] > 0 else ckpt["epoch"]
         for part in state.parts:
             part.before_load(state, trained_epoch)
-{%- endif %}
-{%- if cookiecutter.ema or cookiecutter.fsdp %}
-        load_weights(state.model, path, ckpt{{ ', state.optimizer' if cookiecutter.fsdp }})
-{%- else %}
-        load_model_weights(state.model, ckpt["model"], str(path))
-{%- endif %}
-{%- if cookiecutter.ema %}
+        load_weights(state.model, path, ckpt, state.optimizer)
         for part in state.parts:
-            if part.holds_weights:
-                load_part_weights(part, state.model, path, ckpt)
-{%- endif %}
+            part.after_load(state, path, ckpt, resumed=True)  # e.g. a second set of weights
         run_lr = state.scheduler.base_lrs[0]  # this run's, before the checkpoint's replaces it
         state.load_state_dict(ckpt)
         if is_main():
@@ -573,24 +478,19 @@ def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
         return None
     if cfg.checkpoint.resume != "auto":
         path = Path(cfg.checkpoint.resume)
-        return path, load_checkpoint(path{{ ", tensors=False" if cookiecutter.fsdp }})
+        return path, load_checkpoint(path, tensors=False)
     directory = checkpoint_dir(cfg.output_dir)
     last = directory / "last.pt"
-{%- if cookiecutter.fsdp %}
     target = os.readlink(last) if last.is_symlink() else None  # train.py links only to a step-*.dcp folder beside it
     if target is not None and not (STEP_FILE.match(target) and target.endswith(".dcp")):
         raise CheckpointError(
             f"checkpoint {str(last)!r} links to {target!r}, not to a step-*.dcp folder beside it; {CONTINUE_HOW}"
         )
-{%- else %}
-    if last.is_symlink():  # a link may lead to another run's checkpoint, older than the step files beside it
-        raise CheckpointError(f"checkpoint {str(last)!r} is a link, but train.py writes it as a file; {CONTINUE_HOW}")
-{%- endif %}
     steps = [p for p in reversed(step_checkpoints(directory)) if not (last.exists() and os.path.samefile(p, last))]
-    candidates = ([last] if os.path.lexists(last) else []) + steps{{ "  # a broken link is there: said, not skipped" if cookiecutter.fsdp }}
+    candidates = ([last] if os.path.lexists(last) else []) + steps  # a broken link is there: said, not skipped
     for path in candidates:
         try:
-            ckpt = load_checkpoint(path{{ ", tensors=False" if cookiecutter.fsdp }})
+            ckpt = load_checkpoint(path, tensors=False)
         except CheckpointError as error:
             if is_main():
                 log(f"warning: {getattr(error, 'problem', error)}; trying an older checkpoint")
@@ -609,11 +509,9 @@ def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
 
 def config_changes(saved: dict, cfg: Config) -> list[str]:
     """'section.key: old -> new' for the settings that change what the weights mean; new keys (as defaults) last."""
-{%- if cookiecutter.freezing %}
     fixed = [name for name, section in cfg.sections.items() if getattr(section, "fixed_on_resume", False)]
-{%- endif %}
     changes = section_changes("", saved, cfg, only=("seed",))
-    for name in ("data", "model"{{ ", *fixed" if cookiecutter.freezing }}):
+    for name in ("data", "model", *fixed):  # and the parts' sections that say so
         changes += section_changes(f"{name}.", saved.get(name) or {}, getattr(cfg, name))
     return [text for _, text in sorted(changes, key=lambda change: change[0])]  # stable: schema order
 

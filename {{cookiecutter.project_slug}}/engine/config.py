@@ -29,7 +29,7 @@ from typing import Literal
 
 import yaml
 
-from engine import parts
+from engine import hooks
 from engine.errors import ConfigError
 from engine.files import write_text_whole
 
@@ -171,7 +171,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, base: dic
     """The config from a YAML file, or else from `base` (a checkpoint's stored config) or the
     defaults, with `a.b=value` overrides applied. `sections`: the project's section classes
     by name (data=DataConfig, model=ModelConfig, optim=OptimConfig); the parts' are added."""
-    sections = sections | parts.sections()
+    sections = sections | hooks.sections()
     known = all_keys(Config, sections)
     values = read_yaml(Path(path)) if path is not None else without_retired_keys(base, sections | field_types(Config))
     for override in overrides:
@@ -215,7 +215,7 @@ def unknown_key_message(key: str, known: list[str]) -> str:
     """Where a moved key went, or the known key closest to the one typed: the one key of the
     same name in another section (model.lr: optim.lr), or one a typo or two away."""
     moved = MOVED_KEYS | {
-        old: new for module in parts.modules() for old, new in getattr(module, "MOVED_KEYS", {}).items()
+        old: new for module in hooks.modules() for old, new in getattr(module, "MOVED_KEYS", {}).items()
     }
     if key in moved:
         new, how = moved[key] if isinstance(moved[key], tuple) else (moved[key], "rename it")
@@ -464,7 +464,7 @@ def entries(section) -> list[tuple]:
     if type(section) is not Config:
         return own
     others = [(name, value, dataclasses.MISSING) for name, value in section.sections.items()]
-    in_parts = [entry for entry in others if type(entry[1]).__module__.startswith(f"{parts.__name__}.")]
+    in_parts = [entry for entry in others if type(entry[1]).__module__.startswith(f"{hooks.PACKAGE}.")]
     return [entry for entry in others if entry not in in_parts] + own + in_parts
 
 

@@ -1,12 +1,13 @@
-"""What the run tells people: console lines, progress, metrics.jsonl{% if cookiecutter.tracking %}, and the parts that
-record the run's figures (e.g. trackers){% endif %}. Rank 0 holds the RunLog, every other rank a
-QuietLog, so the loop reads the same on every rank; one-off lines say `if is_main():`."""
+"""What the run tells people: console lines, progress, metrics.jsonl, and the parts that record
+the run's figures (e.g. trackers); the one line a process ends with. Rank 0 holds the RunLog,
+every other rank a QuietLog, so the loop reads the same on every rank; one-off lines say
+`if is_main():`."""
 
 import contextlib
 import functools
-{% if cookiecutter.launcher %}import json
+import json
 import os
-{% endif %}import re
+import re
 import signal
 import sys
 import time
@@ -17,6 +18,7 @@ from tqdm import tqdm
 from engine.distributed import PeerFailed, get_rank, is_main, lost_peer
 from engine.errors import StoppedAtOnce, UsageError
 from engine.files import append_json_line, rewind_json_lines
+from engine.hooks import modules
 from engine.lifecycle import STOP_SIGNALS
 
 
@@ -28,12 +30,12 @@ def log(message: str) -> None:
 
 class RunLog(contextlib.AbstractContextManager):
     """Rank 0's record of the run: a JSON line per epoch in metrics.jsonl (a resumed run
-    appends){% if cookiecutter.tracking %}, the same figures to each part that records them (TensorBoard, W&B, MLflow:
-    engine/parts/tracking.py){% endif %}, console lines, and each epoch's progress: a tqdm bar on a
-    terminal, plain lines otherwise{% if cookiecutter.tracking %}. Leaving it closes the parts' records, marked failed if
-    an error is on its way{% endif %}. `samples_per_step` is the effective batch."""
+    appends), the same figures to each part that records them (e.g. trackers), console lines,
+    and each epoch's progress: a tqdm bar on a terminal, plain lines otherwise. Leaving it
+    closes the parts' records, marked failed if an error is on its way. `samples_per_step` is
+    the effective batch."""
 
-    def __init__(self, cfg, samples_per_step: int, start_step: int{{ ', parts: list' if cookiecutter.tracking }}):
+    def __init__(self, cfg, samples_per_step: int, start_step: int, parts=()):
         self.every, self.samples_per_step = cfg.train.log_every_steps, samples_per_step
         self.metrics_path = Path(cfg.output_dir) / "metrics.jsonl"
         self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
@@ -43,11 +45,9 @@ class RunLog(contextlib.AbstractContextManager):
         if moved := rewind_json_lines(self.metrics_path, lambda row: row.get("step", 0) <= start_step, aside):
             note = f"note: {moved} line(s) of {self.metrics_path} after step {start_step} moved to {aside}"
             log(f"{note}; this run writes them again")
-{%- if cookiecutter.tracking %}
         self.parts = parts
         for part in parts:
             part.open_log(start_step)
-{%- endif %}
 
     def progress(self, epoch: int, total_steps: int, done_steps: int) -> "RunLog":
         """Start an epoch's progress (the loss is read only every train.log_every_steps steps)."""
@@ -69,10 +69,8 @@ class RunLog(contextlib.AbstractContextManager):
         if self.bar.disable:
             log(f"epoch {self.epoch} step {step} loss {loss:.4f} lr {lr:.4g} samples/s {samples_per_s:.0f}")
         self.bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.3g}", samples_s=f"{samples_per_s:.0f}")  # no-op if disabled
-{%- if cookiecutter.tracking %}
         for part in self.parts:
             part.log_scalars(step, {"train/loss": loss, "train/lr": lr, "train/samples_per_s": samples_per_s})
-{%- endif %}
 
     def close(self) -> None:
         """End the epoch's progress bar."""
@@ -82,19 +80,13 @@ class RunLog(contextlib.AbstractContextManager):
 
     def write_epoch(self, metrics: dict) -> None:
         append_json_line(self.metrics_path, metrics)
-{%- if cookiecutter.tracking %}
         for part in self.parts:
             part.log_epoch(metrics)
-{%- endif %}
         log(format_epoch(metrics))
 
     def __exit__(self, error_type, error, traceback) -> None:
-{%- if cookiecutter.tracking %}
         for part in self.parts:
             part.close_log(failed=error_type is not None)
-{%- else %}
-        pass
-{%- endif %}
 
 
 class QuietLog(contextlib.AbstractContextManager):
@@ -114,14 +106,11 @@ def format_epoch(metrics: dict) -> str:
     shown = [f"train_loss {metrics['train_loss']:.4f}"]
     shown += [f"{key} {value:.4f}" for key, value in metrics.items() if "val_" in key]
     speed = [f"{metrics['samples_per_s']:.0f} samples/s"]
-{%- if cookiecutter.throughput %}
-    # The task's <unit>_per_s (engine/parts/throughput.py)
+    # A part's <unit>_per_s (e.g. the task's items), and the model FLOPs utilisation if measured.
     units = [key for key in metrics if key.endswith("_per_s") and key not in ("samples_per_s", "model_tflops_per_s")]
     speed += [f"{metrics[key]:,.0f} {key.removesuffix('_per_s')}/s" for key in units]
     speed += [f"MFU {metrics['mfu']:.1%}"] if "mfu" in metrics else []
-{%- endif %}
     return f"epoch {metrics['epoch']}: {'  '.join(shown)} ({metrics['num_samples']} samples)  {', '.join(speed)}"
-{%- if cookiecutter.launcher %}
 
 
 ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each process it starts
@@ -129,8 +118,8 @@ ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each proc
 
 def hand_to_launcher(line: str, exit_code: int) -> None:
     """This process's last word and exit code, in the error file torchrun gave it (if any)
-    for its failure summary and `python -m engine.launch`: torchrun stops the others as
-    soon as one exits, which may end this one before its exit. Best effort."""
+    for its failure summary (and a launcher reading it): torchrun stops the others as soon
+    as one exits, which may end this one before its exit. Best effort."""
     if path := os.environ.get(ERROR_FILE_VARIABLE):
         with contextlib.suppress(OSError):
             write_last_word(path, line, exit_code)
@@ -140,12 +129,6 @@ def write_last_word(path: str, line: str, exit_code: int) -> None:
     # @record's layout: torchrun's summary shows `py_callstack`, here the line itself.
     extra = {"py_callstack": line, "timestamp": str(int(time.time()))}
     Path(path).write_text(json.dumps({"message": {"message": line, "errorCode": exit_code, "extraInfo": extra}}))
-{%- endif %}
-{%- if cookiecutter.memory_report %}
-
-
-HOST_ALLOCATION_FAILED = "DefaultCPUAllocator: can't allocate memory"  # torch's own MemoryError
-{%- endif %}
 
 
 def report_errors(main):
@@ -156,15 +139,13 @@ def report_errors(main):
     def wrapper(*args, **kwargs):
         try:
             return main(*args, **kwargs)
-        except (UsageError, {{ 'MemoryError, ' if cookiecutter.memory_report }}KeyboardInterrupt, RuntimeError) as error:
+        except (UsageError, MemoryError, KeyboardInterrupt, RuntimeError) as error:
             if (ending := last_word(error)) is None:
                 raise
             line, exit_code = ending
-            if line is not None:  # on stderr{{ ", and where torchrun's launcher finds it" if cookiecutter.launcher }}
+            if line is not None:  # on stderr, and where torchrun's launcher finds it
                 print(line, file=sys.stderr, flush=True)
-{%- if cookiecutter.launcher %}
                 hand_to_launcher(line, exit_code)
-{%- endif %}
             else:  # another rank says it: exiting first would have the launcher stop it before its line is out
                 for stop_signal in STOP_SIGNALS:  # the launcher's stop, once that rank exits, ends this one at once
                     signal.signal(stop_signal, signal.SIG_DFL)
@@ -182,13 +163,9 @@ def last_word(error: BaseException) -> tuple[str | None, int] | None:
         # rank only is shown by that rank; PeerFailed ranks stay quiet.
         shown = not isinstance(error, PeerFailed) and (is_main() or getattr(error, "local", False))
         return f"error: {rank}{last_line(error)}" if shown else None, 2
-{%- if cookiecutter.memory_report %}
-    if isinstance(error, MemoryError) or HOST_ALLOCATION_FAILED in str(error):  # host memory: data, batch or model
-        return (
-            f"error: {rank}out of host memory; use smaller data, batches (train.batch_size) or model, fewer "
-            "DataLoader workers, or a machine with more memory"
-        ), 1
-{%- endif %}
+    for module in modules():  # a part module's own words for an error (e.g. out of host memory)
+        if (said := getattr(module, "error_line", lambda _: None)(error)) is not None:
+            return f"error: {rank}{said}", 1
     if isinstance(error, KeyboardInterrupt):  # every rank got the signal: rank 0 says it
         if isinstance(error, StoppedAtOnce):  # in training the first Ctrl-C asks for a stop with a checkpoint
             line = (

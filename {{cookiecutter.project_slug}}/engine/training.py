@@ -3,11 +3,9 @@ in the run's precision, the optimizer step and its divergence guard, and the fig
 steps since the last evaluation."""
 
 import contextlib
-{% if cookiecutter.throughput %}import itertools
-{% endif %}import math
+import math
 import re
-{% if cookiecutter.throughput %}import statistics
-{% endif %}import time
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -19,15 +17,12 @@ from torch.distributed.checkpoint.state_dict import (
     get_optimizer_state_dict,
     set_optimizer_state_dict,
 )
-{% if cookiecutter.fsdp %}from torch.distributed.tensor import DTensor
-{% endif %}from torch.nn.parallel import DistributedDataParallel as DDP
 
 from engine.config import Config, TrainConfig
-from engine.distributed import all_reduce{{ ', is_main' if cookiecutter.ema }}
+from engine.distributed import all_reduce, is_main
 from engine.errors import ConfigError, DivergedError, TaskError, UsageError
-from engine.parts import Part
-{% if cookiecutter.throughput %}from engine.parts.throughput import Throughput
-{% endif %}
+from engine.hooks import Part
+
 # train.precision: bf16 and fp16 run the forward passes under autocast; fp16 also scales
 # the loss (GradScaler), since its gradients underflow.
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -72,10 +67,8 @@ class NonFiniteGuard:
 
     def skip_step(self, grad_norm: torch.Tensor, step: int) -> bool:
         """Whether to skip the step; reading the norm then syncs, so only with train.max_bad_steps."""
-{%- if cookiecutter.fsdp %}
-        if isinstance(grad_norm, DTensor):  # FSDP: the norm over every shard
+        if hasattr(grad_norm, "full_tensor"):  # a sharded model's (a DTensor): the norm over every shard
             grad_norm = grad_norm.full_tensor()
-{%- endif %}
         if self.max_bad_steps == 0:
             self.keep(grad_norm, step)
             return False
@@ -178,23 +171,16 @@ class TrainState:
         self.states[name] = obj
         if isinstance(obj, Part):
             self.parts.append(obj)
-{%- if cookiecutter.ema %}
             obj.setup(self)
-{%- endif %}
 
     def state_dict(self) -> dict:
-{%- if cookiecutter.fsdp %}
-        """Plain full tensors on the CPU, the same for DDP and FSDP (so either resumes the
-        other). Every rank must call this: under FSDP it gathers the shards."""
-{%- else %}
-        """Plain full tensors on the CPU. Every rank must call this."""
-{%- endif %}
+        """Plain full tensors on the CPU, the same for a replica and a sharded model (so either
+        resumes the other), and each part's set of weights. Every rank must call this: a
+        sharded model's are gathered."""
         return {
             "model": get_model_state_dict(self.model, options=FULL_ON_CPU),
             "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=FULL_ON_CPU),
-{%- if cookiecutter.ema %}
             **{part.name: full_on_main(part.weights()) for part in self.parts if part.holds_weights},
-{%- endif %}
             **self.run_state_dict(),
         }
 
@@ -211,9 +197,7 @@ class TrainState:
             "evaluated_step": self.evaluated_step,
             "skipped_steps": self.guard.skipped_steps,
             "states": {name: state for name, state in states.items() if state is not None},
-{%- if cookiecutter.ema %}
             "weight_sets": [part.name for part in self.parts if part.holds_weights],
-{%- endif %}
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -234,19 +218,14 @@ class TrainState:
             if isinstance(found, dict):  # else new since the checkpoint: it starts afresh
                 obj.load_state_dict(found)
 
-{%- if cookiecutter.fsdp %}
-
     @property
     def wrapping(self) -> str:
-        """ddp, or the part that builds and wraps the model (fsdp)."""
+        """ddp, or the part that builds and wraps the model (e.g. sharded)."""
         return next((part.name for part in self.parts if part.saves_sharded), "ddp")
-{%- endif %}
-{%- if cookiecutter.early_stopping %}
 
     def stop_reason(self) -> str | None:
         """Why the run ends before its last epoch (a part's, e.g. early stopping), if it does."""
         return next((reason for part in self.parts if (reason := part.stop_reason(self))), None)
-{%- endif %}
 
     def completes_step(self) -> bool:
         """Whether the micro-batch in progress is the last one of an optimizer step."""
@@ -340,24 +319,8 @@ def gradient_sync(model: nn.Module, enabled: bool):
     if enabled:
         return contextlib.nullcontext()
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
-    if isinstance(model, DDP):
-        return model.no_sync()
-{%- if cookiecutter.fsdp %}
-    if hasattr(model, "set_requires_gradient_sync"):  # FSDP's
-        return no_gradient_sync(model)
-{%- endif %}
-    return contextlib.nullcontext()
-{%- if cookiecutter.fsdp %}
-
-
-@contextlib.contextmanager
-def no_gradient_sync(model: nn.Module):
-    model.set_requires_gradient_sync(False)
-    try:
-        yield
-    finally:
-        model.set_requires_gradient_sync(True)
-{%- endif %}
+    # DDP's no_sync, or one a part gives the model it wraps (e.g. sharded); one process: nothing to sync.
+    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
 
 
 def optimizer_step(state: TrainState, train: TrainConfig) -> None:
@@ -378,76 +341,58 @@ def optimizer_step(state: TrainState, train: TrainConfig) -> None:
     state.step += 1
     for part in state.parts:
         part.after_step(state)
-{%- if cookiecutter.ema %}
 
 
 def full_on_main(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-{%- if cookiecutter.fsdp %}
     """Whole tensors on the CPU, on rank 0 ({} elsewhere, as for the model's). Every rank
-    must call this: under FSDP it gathers."""
-    tensors = {name: t.full_tensor() if isinstance(t, DTensor) else t for name, t in tensors.items()}
-{%- else %}
-    """The tensors on the CPU, on rank 0 ({} elsewhere, as for the model's)."""
-{%- endif %}
+    must call this: a sharded tensor (a DTensor) is gathered."""
+    tensors = {name: t.full_tensor() if hasattr(t, "full_tensor") else t for name, t in tensors.items()}
     return {name: t.detach().cpu() for name, t in tensors.items()} if is_main() else {}
-{%- endif %}
 
 
 class EpochStats:
-    """The losses since the last evaluation, summed on the device (no host sync), and their clock."""
+    """The losses since the last evaluation, summed on the device (no host sync), and their
+    clock; and `meters`, the parts that measure the steps besides (e.g. the task's items)."""
 
-    def __init__(self, device: torch.device{{ ', throughput: Throughput | None = None' if cookiecutter.throughput }}):
-        self.device = device
-{%- if cookiecutter.throughput %}
-        self.throughput = throughput or Throughput(device=device)  # the task's items, the MFU
-{%- endif %}
+    def __init__(self, device: torch.device, meters=()):
+        self.device, self.meters = device, [part for part in meters if part.measures_steps]
         self.reset()
 
     def reset(self) -> None:
         self.loss_sums = {"loss": torch.zeros((), device=self.device)}  # and named losses, once seen
         self.micro_batches = 0
-{%- if cookiecutter.throughput %}
-        self.throughput.reset()
-{%- endif %}
         self.start = time.perf_counter()
-{%- if cookiecutter.throughput %}
-        self.step_ends = [self.start]  # host clock at each optimizer step: no device sync needed
-{%- endif %}
+        for meter in self.meters:
+            meter.reset_figures()
 
-    def add(self, losses: dict[str, torch.Tensor]{{ ', batch=None' if cookiecutter.throughput }}) -> None:
+    def measuring(self, batch) -> contextlib.ExitStack:
+        """Around a micro-batch's forward and backward: what the meters measure of it."""
+        stack = contextlib.ExitStack()
+        for meter in self.meters:
+            stack.enter_context(meter.measure(batch))
+        return stack
+
+    def add(self, losses: dict[str, torch.Tensor]) -> None:
         for name, loss in losses.items():
             if name in self.loss_sums:
                 self.loss_sums[name] += loss
             else:
                 self.loss_sums[name] = loss.float().clone()
         self.micro_batches += 1
-{%- if cookiecutter.throughput %}
-        self.throughput.add(batch)
-
-    def step_done(self) -> None:
-        self.step_ends.append(time.perf_counter())
-{%- endif %}
 
     def summary(self, batch_size: int) -> dict:
-        """train_<name>: each loss's mean over every rank's samples, and the speed. Every rank calls this."""
+        """train_<name>: each loss's mean over every rank's samples, the speed, and the meters'
+        figures. Every rank calls this."""
         elapsed = time.perf_counter() - self.start
         names = list(self.loss_sums)
         sums = [self.loss_sums[name].double() for name in names]
         count = torch.tensor(float(self.micro_batches), dtype=torch.float64, device=sums[0].device)
-{%- if cookiecutter.throughput %}
-        local = torch.stack([*sums, count, self.throughput.total_items()])
-        *totals, micro_batches, items = all_reduce(local).tolist()
-        step_times = [b - a for a, b in itertools.pairwise(self.step_ends)]
-{%- else %}
         *totals, micro_batches = all_reduce(torch.stack([*sums, count])).tolist()
-{%- endif %}
+        measured = [meter.train_figures(self.micro_batches, elapsed) for meter in self.meters]
         return {
             # No micro-batches: the epoch was trained by the run before (then NaN).
             **{f"train_{name}": total / (micro_batches or math.nan) for name, total in zip(names, totals, strict=True)},
             "samples_per_s": micro_batches * batch_size / max(elapsed, 1e-9),
-{%- if cookiecutter.throughput %}
-            **self.throughput.figures(items, self.micro_batches, elapsed),
-            "step_time_median_s": statistics.median(step_times) if step_times else 0.0,
-{%- endif %}
+            **{key: value for figures in measured for key, value in figures.items()},
             "train_time_s": elapsed,
         }

@@ -22,8 +22,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from data import DataConfig
 from engine.config import load_config
 from engine.distributed import cleanup_distributed, init_distributed_mode
+from engine.hooks import build_parts
 from engine.parallel import build_and_wrap
-from engine.parts import build_parts
 from engine.seeding import seed_everything
 from engine.sharded import save_sharded, sharded_state_dict
 from model import BLOCKS, MLPBlock, ModelConfig, build_model
@@ -69,7 +69,7 @@ def main(out: Path, overrides: list[str], deep_mlp: bool) -> None:
     env, device = init_distributed_mode(cfg.dist)
     peaks = PhasePeaks()  # from here: above the runtime (torch, the process group)
     seed_everything(cfg.seed)
-    parts = build_parts(cfg, env)
+    parts = build_parts(cfg, env)  # the host_tuning part, if any, sets the allocator for the steps here
     model, train_model = build_and_wrap(lambda: build(cfg), cfg, env, device, blocks, parts)
     held = {"params": local_bytes(model.parameters()), "setup_peak_mib": peaks.end()}
     weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
@@ -77,10 +77,6 @@ def main(out: Path, overrides: list[str], deep_mlp: bool) -> None:
         torch.save(weights, out / "weights.pt")
     torch.save(dict(model.named_buffers()), out / f"buffers_{env.rank}.pt")
     del weights
-    if (Path(__file__).parents[1] / "engine" / "host.py").exists():  # the host_tuning part, as train.py does
-        from engine.host import set_host_allocator
-
-        set_host_allocator(parts)
     peaks.end()  # the weights gathered for the test
     optimizer = build_optimizer(model, cfg, env.world_size, {})
     for _ in range(2):

@@ -16,7 +16,6 @@ from conftest import (
     STRATEGIES,
     clean_env,
     command,
-    has,
     machinery_project,
     read_metrics,
     reference_config,
@@ -250,12 +249,8 @@ def test_auto_resume_refuses_a_last_pt_that_links_elsewhere(tmp_path):
     result = run_script("train.py", [*args, "train.epochs=3"], check=False)
     assert result.returncode == 2 and "resumed from" not in result.stdout
     assert one_error_line(result) == (
-        (
-            f"error: checkpoint '{directory / 'last.pt'}' links to '{old}', not to a step-*.dcp folder beside it; "
-            if has("engine/parts/fsdp.py")  # the fsdp part's sharded runs link last.pt to a folder
-            else f"error: checkpoint '{directory / 'last.pt'}' is a link, but train.py writes it as a file; "
-        )
-        + "remove it to continue from the newest step checkpoint, or set checkpoint.resume=PATH"
+        f"error: checkpoint '{directory / 'last.pt'}' links to '{old}', not to a step-*.dcp folder beside it; "
+        "remove it to continue from the newest step checkpoint, or set checkpoint.resume=PATH"
     )
     assert {path.name: path.read_bytes() for path in step_checkpoints(directory)} == before
     assert [row["epoch"] for row in read_metrics(out)] == [0, 1]
@@ -269,10 +264,7 @@ def test_auto_resume_refuses_links_train_py_never_makes(tmp_path, target):
     save_steps(directory, [8, 16])
     (directory / "last.pt").unlink()
     (directory / "last.pt").symlink_to(target)
-    if has("engine/parts/fsdp.py"):
-        refused = r"links to '.*', not to a step-\*\.dcp folder beside it; remove it"
-    else:
-        refused = r"is a link, but train.py writes it as a file; remove it"
+    refused = r"links to '.*', not to a step-\*\.dcp folder beside it; remove it"
     with pytest.raises(CheckpointError, match=refused):
         load_resume_checkpoint(run_dir_config(tmp_path))
 

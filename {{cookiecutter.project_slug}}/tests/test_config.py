@@ -16,7 +16,7 @@ from conftest import (
     reference_config,
     reference_task,
 )
-from engine import parts
+from engine import hooks
 from engine.config import (
     MOVED_KEYS,
     Config,
@@ -654,7 +654,7 @@ def test_a_moved_key_in_a_file_says_where_it_went(tmp_path):
 def test_each_moved_key_is_gone_and_goes_to_a_key_of_the_schema_or_of_a_part():
     task = reference_task()
     sections = {"data": task.data.DataConfig, "model": task.model.ModelConfig, "optim": task.recipe.OptimConfig}
-    known = set(all_keys(Config, sections | parts.sections()))
-    parts_not_here = {"ema", "early_stopping", "freeze", "fsdp", "profiler", "tracking"} - parts.sections().keys()
+    known = set(all_keys(Config, sections | hooks.sections()))
+    parts_not_here = {"ema", "early_stopping", "freeze", "fsdp", "profiler", "tracking"} - hooks.sections().keys()
     for old, new in MOVED_KEYS.items():
         assert old not in known and (new in known or new.split(".")[0] in parts_not_here), (old, new)

@@ -10,22 +10,20 @@ import pytest
 import torch
 
 from conftest import STRATEGIES, machinery_project, reference_task, run_script
-from engine.host import freeze_setup_objects
+from engine.parts.host import freeze_setup_objects
 
 MLP = reference_task().model.MLP
 
 
 STEP_FAULTS = """
 import json, resource, sys, torch
-from engine.host import set_host_allocator
+from engine.parts.host import SHARDED_STEPS_GIVE_BACK, set_host_allocator
 
 torch.manual_seed(0)
 layer = torch.nn.Conv2d(3, 16, 3, padding=1)
 images = torch.randn(32, 3, 128, 128)  # activations of 32 MiB: above glibc's largest adaptive threshold
 if sys.argv[1] == "fsdp":
-    from engine.parts.fsdp import Fsdp
-    from engine.distributed import DistEnv
-    applied = set_host_allocator([Fsdp(DistEnv(world_size=2))])
+    applied = set_host_allocator(SHARDED_STEPS_GIVE_BACK)
 else:
     applied = set_host_allocator() if sys.argv[1] == "ddp" else None
 faults = []

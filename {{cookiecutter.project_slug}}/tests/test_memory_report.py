@@ -230,8 +230,8 @@ HEAP_FIGURES = """
 import importlib.util, json, torch
 from engine.parts.memory import c_heap_mib
 
-if importlib.util.find_spec("engine.host"):  # the host_tuning part: the steps' allocator settings
-    from engine.host import set_host_allocator
+if importlib.util.find_spec("engine.parts.host"):  # the host_tuning part: the steps' allocator settings
+    from engine.parts.host import set_host_allocator
 
     set_host_allocator()
 before = c_heap_mib()

@@ -51,7 +51,7 @@ def test_a_run_records_its_commit_versions_and_hosts_in_a_repository_and_outside
         out = tmp_path / name
         opening = run_script(str(project / "train.py"), [*RUN, f"output_dir={out}"], nproc=2, cwd=project).stdout
         ckpt = load_checkpoint(out / "checkpoints" / "last.pt")
-        record = ckpt["provenance"]
+        record = ckpt["states"]["run_record"]
         assert record["versions"]["torch"] == torch.__version__
         assert record["versions"]["python"] == platform.python_version()
         assert record["launch"] == {"launcher": "torchrun", "world_size": 2, "nodes": 1}
@@ -69,7 +69,8 @@ def test_a_run_records_its_commit_versions_and_hosts_in_a_repository_and_outside
         f.write("# an edit not yet committed\n")
     out = tmp_path / "dirty"
     opening = run_script(str(repo / "train.py"), [*RUN, f"output_dir={out}"], cwd=repo).stdout
-    assert load_checkpoint(out / "checkpoints" / "last.pt")["provenance"]["git"] == {"commit": head, "dirty": True}
+    record = load_checkpoint(out / "checkpoints" / "last.pt")["states"]["run_record"]
+    assert record["git"] == {"commit": head, "dirty": True}
     assert f"commit {head[:12]} (uncommitted changes)" in opening
 
 

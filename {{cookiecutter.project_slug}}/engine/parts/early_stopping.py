@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from engine.checkpoint import checkpoint_dir
 from engine.config import check_positive
-from engine.parts import Part
+from engine.hooks import Part
 
 MOVED_KEYS = {f"train.early_stopping_{key}": f"early_stopping.{key}" for key in ("patience", "min_delta")}
 

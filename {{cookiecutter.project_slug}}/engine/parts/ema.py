@@ -21,11 +21,12 @@ import torch.nn as nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from engine.checkpoint import has_part, load_weights
 from engine.config import check_at_most, check_positive, effective_batch, shown
 from engine.distributed import is_main
 from engine.errors import ConfigError
+from engine.hooks import Part
 from engine.logs import log
-from engine.parts import Part
 
 MOVED_KEYS = {f"train.ema_{key}": f"ema.{key}" for key in ("decay", "start_step")}  # 0.5.0's keys
 
@@ -102,8 +103,16 @@ class WeightEMA(Part):
     def weights(self) -> dict[str, torch.Tensor]:
         return self.tensors
 
-    def reset_weights(self) -> None:
+    def after_load(self, state, path, ckpt: dict, resumed: bool) -> None:
+        """The checkpoint's average; none saved (the part just turned on), or fine-tuning from its weights: the
+        model's weights."""
+        if resumed and has_part(path, ckpt, self.name):
+            with self.swapped_into_model():  # loaded as the model's own weights are
+                load_weights(state.model, path, ckpt, part=self.name)
+            return
         self.reset()
+        if resumed and is_main():
+            log(f"note: {path} has no {self.name!r} weights; they start from the model's weights")
 
     def attach(self, model: nn.Module) -> "WeightEMA":
         """Start the average at `model`'s weights (unwrapped: sharded or not)."""

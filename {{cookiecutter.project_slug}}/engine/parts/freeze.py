@@ -9,8 +9,8 @@ import torch.nn as nn
 from engine.config import check_positive
 from engine.distributed import is_main
 from engine.errors import ConfigError
+from engine.hooks import Part
 from engine.logs import log
-from engine.parts import Part
 
 MOVED_KEYS = {"train.freeze": "freeze.params", "train.freeze_epochs": "freeze.epochs"}
 

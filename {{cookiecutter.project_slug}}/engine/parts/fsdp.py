@@ -1,5 +1,7 @@
 """FSDP (a part): the model sharded per block; rank 0 builds it in host memory, the other ranks on meta."""
 
+import contextlib
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -12,11 +14,10 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from engine import sharded
 from engine.distributed import DistEnv, is_main, stop_all_if_any_fails
 from engine.errors import TaskError
+from engine.hooks import Part
 from engine.parallel import prepare_modules
-from engine.parts import Part
 from engine.training import AMP_DTYPES
 
-M_MMAP_THRESHOLD = -3  # glibc's mallopt() parameter (engine/host.py sets it, with the host_tuning part)
 MOVED_KEYS = {
     "train.strategy": ("fsdp.enabled", "set fsdp.enabled=true for strategy fsdp, false for ddp"),
     "train.fsdp_cpu_offload": "fsdp.cpu_offload",
@@ -37,9 +38,6 @@ def build(cfg, env: DistEnv) -> "Fsdp | None":
 class Fsdp(Part):
     name = "fsdp"
     saves_sharded = True  # checkpoints are sharded folders, on one process too
-    # Blocks above 128 KiB mmapped, so FSDP's gathered-then-freed blocks do not fragment the heap:
-    # a 101M-parameter MLP, 2 CPU processes: peak RSS per rank 1,590 MiB with this, 2,827-3,347 without.
-    host_allocator = {M_MMAP_THRESHOLD: 128 * 2**10}
 
     def __init__(self, env: DistEnv):
         self.shards_model = env.world_size > 1  # on one process the model stays whole
@@ -70,7 +68,17 @@ class Fsdp(Part):
                 if buffers:
                     buffer.copy_(buffers[name])
                 dist.broadcast(buffer, src=0)
+        model.no_sync = functools.partial(no_gradient_sync, model)  # what the loop calls to accumulate (as DDP's)
         return model
+
+
+@contextlib.contextmanager
+def no_gradient_sync(model: nn.Module):
+    model.set_requires_gradient_sync(False)
+    try:
+        yield
+    finally:
+        model.set_requires_gradient_sync(True)
 
 
 def move_to_meta(model: nn.Module) -> None:

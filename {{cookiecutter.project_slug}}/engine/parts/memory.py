@@ -17,8 +17,20 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from engine.distributed import gather_objects_on_main, get_rank, is_main, parse_dist_env
+from engine.hooks import Part
 from engine.logs import log
-from engine.parts import Part
+
+HOST_ALLOCATION_FAILED = "DefaultCPUAllocator: can't allocate memory"  # torch's own MemoryError
+
+
+def error_line(error: BaseException) -> str | None:
+    """The line a process out of host memory ends with (engine/logs.py asks each part module)."""
+    if isinstance(error, MemoryError) or HOST_ALLOCATION_FAILED in str(error):  # data, batch or model
+        return (
+            "out of host memory; use smaller data, batches (train.batch_size) or model, fewer DataLoader workers, "
+            "or a machine with more memory"
+        )
+    return None
 
 
 def build(cfg, env) -> "MemoryReport":

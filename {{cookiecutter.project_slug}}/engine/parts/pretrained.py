@@ -13,8 +13,8 @@ from torchvision.models import get_weight
 
 from engine.distributed import is_main
 from engine.errors import ConfigError, UsageError
+from engine.hooks import Part
 from engine.logs import log
-from engine.parts import Part
 
 MOVED_KEYS = {"model.pretrained": "pretrained.weights"}  # where 0.7.0 had it
 

@@ -6,8 +6,8 @@ from pathlib import Path
 from torch.profiler import profile, schedule, tensorboard_trace_handler
 
 from engine.config import check_positive
+from engine.hooks import Part
 from engine.logs import log
-from engine.parts import Part
 
 MOVED_KEYS = {f"train.profile_{key}": f"profiler.{key}" for key in ("steps", "start_step", "all_ranks")}
 

@@ -19,7 +19,8 @@ import torch
 from engine.config import check_positive
 from engine.distributed import DistEnv, all_gather_objects, broadcast_from_main, get_rank, is_main, whole_number
 from engine.errors import UsageError
-from engine.parts import Part
+from engine.hooks import Part
+from engine.logs import log
 
 MOVED_KEYS = {
     "provenance": "run_record.provenance",
@@ -28,6 +29,7 @@ MOVED_KEYS = {
 
 GIT_TIMEOUT = 10  # seconds for both git calls: a repository's own hooks or filters may hang
 GIT_ENV = {"GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0", "LC_ALL": "C"}
+PROJECT = Path(__file__).resolve().parents[2]  # the folder of train.py, whose git state is recorded
 NOT_ASKED = {"unknown": "git commit not recorded (run_record.provenance=false)"}
 # The flight recorder's variables under the names older PyTorch releases read.
 OLDER_NAMES = {
@@ -45,15 +47,36 @@ class Section:
         check_positive("run_record.flight_recorder_entries", self.flight_recorder_entries, allow_zero=True)
 
 
-def build(cfg, env) -> "RunRecord":
-    return RunRecord(cfg.run_record.flight_recorder_entries, Path(cfg.output_dir) / "flight_recorder")
+def build(cfg, env: DistEnv) -> "RunRecord":
+    return RunRecord(cfg, env)
 
 
 class RunRecord(Part):
+    """What produced the run in every checkpoint (its state: "states"/"run_record") and atop the
+    saved config, rank 0's lines in output_dir/train.log, and each rank's flight recorder."""
+
     name = "run_record"
 
-    def __init__(self, trace_entries: int, trace_dir: Path):
-        self.trace_entries, self.trace_dir = trace_entries, trace_dir
+    def __init__(self, cfg, env: DistEnv):
+        self.env, self.record_git = env, cfg.run_record.provenance
+        self.trace_entries = cfg.run_record.flight_recorder_entries
+        self.trace_dir = Path(cfg.output_dir) / "flight_recorder"
+        self.provenance: dict | None = None
+
+    def output_dir_held(self, output_dir: str) -> None:
+        keep_output_in(Path(output_dir) / "train.log")  # rank 0's lines, across resumes
+
+    def setup(self, state) -> None:
+        self.provenance = describe_run(self.env, PROJECT, self.record_git)  # git commit, versions, hosts
+
+    def state_dict(self) -> dict:
+        return self.provenance  # what produced this checkpoint; a resumed run keeps its own
+
+    def config_header(self) -> str:
+        return header(self.provenance)
+
+    def open_log(self, start_step: int) -> None:
+        log(f"produced by {commit_line(self.provenance)}")
 
     def process_group_env(self, env: DistEnv) -> dict[str, str]:
         check_gloo_address(socket.gethostname(), multi_node(os.environ), os.environ)

@@ -1,14 +1,20 @@
 """Speed in the task's units (model.py's `count_items`) and model FLOPs utilisation (MFU) from the first micro-batch."""
 
 import contextlib
+import importlib
+import itertools
 import re
+import statistics
+import time
 from dataclasses import dataclass
 
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
 from engine.config import check_positive
+from engine.distributed import all_reduce
 from engine.errors import TaskError
+from engine.hooks import Part
 
 MOVED_KEYS = {"train.peak_tflops": "throughput.peak_tflops"}
 
@@ -21,8 +27,9 @@ class Section:
         check_positive("throughput.peak_tflops", self.peak_tflops, allow_zero=True)
 
 
-def build(cfg, env) -> None:
-    return None  # the loop counts through EpochStats (engine/training.py); this module holds the settings
+def build(cfg, env) -> "Throughput":
+    task = importlib.import_module("model")  # the task's model.py, as train.py imports it: its count_items, if any
+    return Throughput(getattr(task, "count_items", None), configured=(cfg.throughput.peak_tflops, cfg.train.precision))
 
 
 # Dense bf16/fp16 TFLOPS, NVIDIA's data sheets; the first whole word of the device name (L4 is not L40) counts.
@@ -50,17 +57,45 @@ def peak_flops(configured_tflops: float, device_name: str | None, precision: str
     return found * 1e12 if known else None
 
 
-class Throughput:
-    def __init__(self, count_items=None, peak: float | None = None, device: torch.device | None = None):
-        self.count_items, self.peak = count_items, peak
-        self.unit = self.flops_per_micro_batch = None
-        self.items = torch.zeros((), dtype=torch.float64, device=device)  # counts given as tensors
-        self.host_items = 0.0  # counts given as numbers: copying each to the device would sync the host
+class Throughput(Part):
+    """The task's items per second (count_items), the model FLOPs of the first micro-batch for
+    the MFU, and the median step time, in each row of train figures."""
 
-    @classmethod
-    def of_run(cls, cfg, device: torch.device, count_items) -> "Throughput":
-        name = torch.cuda.get_device_name(device) if device.type == "cuda" else None
-        return cls(count_items, peak_flops(cfg.throughput.peak_tflops, name, cfg.train.precision), device)
+    name = "throughput"
+    measures_steps = True
+
+    def __init__(self, count_items=None, peak: float | None = None, configured: tuple[float, str] | None = None):
+        self.count_items, self.peak = count_items, peak
+        self.configured = configured  # (throughput.peak_tflops, train.precision): the peak once the device is known
+        self.unit = self.flops_per_micro_batch = None
+        self.items = torch.zeros((), dtype=torch.float64)  # counts given as tensors
+        self.host_items = 0.0  # counts given as numbers: copying each to the device would sync the host
+        self.step_ends = [time.perf_counter()]  # host clock at each optimizer step: no device sync needed
+
+    def setup(self, state) -> None:
+        self.items = self.items.to(state.device)
+        if self.configured is not None:
+            name = torch.cuda.get_device_name(state.device) if state.device.type == "cuda" else None
+            self.peak = peak_flops(self.configured[0], name, self.configured[1])
+
+    @contextlib.contextmanager
+    def measure(self, batch):
+        with self.counting_flops():  # the first micro-batch's, for the MFU
+            yield
+        self.add(batch)
+
+    def after_step(self, state) -> None:
+        self.step_ends.append(time.perf_counter())
+
+    def reset_figures(self) -> None:
+        self.reset()
+        self.step_ends = [time.perf_counter()]
+
+    def train_figures(self, micro_batches: int, elapsed: float) -> dict:
+        items = all_reduce(self.total_items()).item()  # every rank's
+        step_times = [b - a for a, b in itertools.pairwise(self.step_ends)]
+        median = statistics.median(step_times) if step_times else 0.0
+        return {**self.figures(items, micro_batches, elapsed), "step_time_median_s": median}
 
     @contextlib.contextmanager
     def counting_flops(self):

@@ -7,8 +7,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from engine.errors import ConfigError, UsageError
+from engine.hooks import Part
 from engine.logs import last_line, log
-from engine.parts import Part
 
 MOVED_KEYS = {"train.tensorboard": "tracking.tensorboard"}
 

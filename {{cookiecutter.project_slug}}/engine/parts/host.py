@@ -1,12 +1,15 @@
 """The host process's settings for the training steps (the host_tuning answer): glibc's
-allocator keeps what the steps free, and Python's full garbage collections stay out of the
-steps. Neither changes a result; each saves time on every step (see below).
+allocator keeps what the steps free (a sharded model's steps give large blocks back), and
+Python's full garbage collections stay out of the steps. Neither changes a result; each
+saves time on every step (see below).
 """
 
 import ctypes
 import gc
 import os
 import platform
+
+from engine.hooks import Part
 
 # glibc's mallopt() settings for the steps: blocks up to 256 MiB come from the heap, and up
 # to 512 MiB of free memory stays at its top (set_host_allocator). The launch's own win.
@@ -15,6 +18,27 @@ STEPS_REUSE_FREED = {M_MMAP_THRESHOLD: 256 * 2**20, M_TRIM_THRESHOLD: 512 * 2**2
 SETTINGS = ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")
 LAUNCH_VARIABLES = [f"MALLOC_{name.upper()}_" for name in SETTINGS]
 TUNABLES = [f"glibc.malloc.{name}" for name in SETTINGS]
+# Under FSDP, blocks above 128 KiB mmapped, so its gathered-then-freed blocks do not fragment the heap:
+# a 101M-parameter MLP, 2 CPU processes: peak RSS per rank 1,590 MiB with this, 2,827-3,347 without.
+SHARDED_STEPS_GIVE_BACK = {M_MMAP_THRESHOLD: 128 * 2**10}
+
+
+def build(cfg, env) -> "HostTuning":
+    """Sets the allocator now: the parts are built before the model, so what setup frees is
+    handled as the steps' will be."""
+    sharding = getattr(cfg, "fsdp", None)  # the fsdp part's section, in a project that has it
+    set_host_allocator(SHARDED_STEPS_GIVE_BACK if sharding and sharding.enabled else STEPS_REUSE_FREED)
+    return HostTuning()
+
+
+class HostTuning(Part):
+    name = "host"
+
+    def start(self, state) -> None:
+        freeze_setup_objects()
+
+    def end(self) -> None:
+        gc.unfreeze()  # a later run in this process (a test, a sweep) starts with none frozen
 
 
 def freeze_setup_objects() -> None:
@@ -25,10 +49,10 @@ def freeze_setup_objects() -> None:
     gc.freeze()
 
 
-def set_host_allocator(parts=()) -> bool:
-    """Fix glibc's allocator thresholds for the training steps: a part's own settings (its
-    `host_allocator`, e.g. the fsdp part's), else STEPS_REUSE_FREED. Returns whether they
-    were set: not where the launch set them (MALLOC_*_, GLIBC_TUNABLES), nor with another C library.
+def set_host_allocator(settings: dict[int, int] = STEPS_REUSE_FREED) -> bool:
+    """Fix glibc's allocator thresholds for the training steps ({mallopt parameter: value}).
+    Returns whether they were set: not where the launch set them (MALLOC_*_, GLIBC_TUNABLES),
+    nor with another C library.
 
     glibc's adaptive thresholds hand large freed blocks back to the kernel: each CPU step
     page-faulted its activations in anew (31,000 faults per ResNet-18 step, 5% of its
@@ -40,5 +64,4 @@ def set_host_allocator(parts=()) -> bool:
     if platform.system() != "Linux" or platform.libc_ver()[0] != "glibc":
         return False
     libc = ctypes.CDLL(None)  # the C library this process already runs on
-    settings = next(filter(None, (getattr(p, "host_allocator", None) for p in parts)), STEPS_REUSE_FREED)
     return all([libc.mallopt(parameter, value) for parameter, value in settings.items()])

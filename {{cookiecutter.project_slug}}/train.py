@@ -259,7 +259,7 @@ class Run:
         # A hang fails the run after dist.step_timeout_minutes once the first step is done.
         shorten_timeout_after_first_step(state.optimizer, cfg.dist.step_timeout_minutes, [self.stop.group])
         for part in state.parts:
-            part.start(state)  # e.g. a profiler's schedule, setup's objects kept out of garbage collections
+            part.start(state)  # e.g. a trace's schedule, setup's objects kept out of garbage collections
         self.stats.reset()  # the clock starts with the steps
         if state.batches_done:  # resumed mid-epoch: its figures are this run's part only
             self.log.log(f"epoch {state.epoch}'s train_* figures will cover its steps from {state.step + 1} on")

@@ -180,7 +180,7 @@ def check_contents(path: Path, state: dict) -> None:
             raise not_ours(path, f"no {key!r}")
         if not isinstance(state[key], kind) or isinstance(state[key], bool):
             raise not_ours(path, f"{key!r} is {a(type(state[key]))}, not {a(kind)}")
-    for key in ["model", *state.get("weight_sets", ["ema"] if "ema" in state else [])]:  # and the parts' sets
+    for key in ["model", *state.get("weight_sets", [])]:  # and the parts' sets
         weights = state.get(key, {})  # a part's set is missing when that part was off
         if not isinstance(weights, dict):
             raise not_ours(path, f"{key!r} is {a(type(weights))}, not a dict")
@@ -316,7 +316,7 @@ def load_model_weights(model: torch.nn.Module, state_dict: dict, source: str) ->
 
 
 def load_weights(model: torch.nn.Module, path: Path, ckpt: dict, optimizer=None, part: str = "model") -> None:
-    """A checkpoint's model weights, or a part's set (part="ema"); `ckpt`: load_checkpoint(path, tensors=False).
+    """A checkpoint's model weights, or a part's set (by its name); `ckpt`: load_checkpoint(path, tensors=False).
     A folder's tensors (and `optimizer` state) each rank reads shard by shard: every rank must call this."""
     if not has_part(path, ckpt, part):
         raise CheckpointError(f"{path} has no {part!r} weights (that part was off when it was saved)")
@@ -326,8 +326,8 @@ def load_weights(model: torch.nn.Module, path: Path, ckpt: dict, optimizer=None,
 
 
 def has_part(path: Path, ckpt: dict, part: str) -> bool:
-    """Whether a checkpoint file, or a folder's metadata, holds `part`."""
-    return part in ckpt if "model" in ckpt else folders(path).holds(path, part)
+    """Whether a checkpoint file (its weight sets, checked on load), or a folder's metadata, holds `part`."""
+    return part in ["model", *ckpt.get("weight_sets", [])] if "model" in ckpt else folders(path).holds(path, part)
 
 
 def check_shapes(model: torch.nn.Module, saved: dict, source: str) -> None:

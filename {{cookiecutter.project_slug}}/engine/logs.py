@@ -80,9 +80,9 @@ class RunLog(contextlib.AbstractContextManager):
 
     def write_epoch(self, metrics: dict) -> None:
         append_json_line(self.metrics_path, metrics)
+        log(format_epoch(metrics))
         for part in self.parts:
             part.log_epoch(metrics)
-        log(format_epoch(metrics))
 
     def __exit__(self, error_type, error, traceback) -> None:
         for part in self.parts:
@@ -106,10 +106,6 @@ def format_epoch(metrics: dict) -> str:
     shown = [f"train_loss {metrics['train_loss']:.4f}"]
     shown += [f"{key} {value:.4f}" for key, value in metrics.items() if "val_" in key]
     speed = [f"{metrics['samples_per_s']:.0f} samples/s"]
-    # A part's <unit>_per_s (e.g. the task's items), and the model FLOPs utilisation if measured.
-    units = [key for key in metrics if key.endswith("_per_s") and key not in ("samples_per_s", "model_tflops_per_s")]
-    speed += [f"{metrics[key]:,.0f} {key.removesuffix('_per_s')}/s" for key in units]
-    speed += [f"MFU {metrics['mfu']:.1%}"] if "mfu" in metrics else []
     return f"epoch {metrics['epoch']}: {'  '.join(shown)} ({metrics['num_samples']} samples)  {', '.join(speed)}"
 
 

@@ -15,6 +15,7 @@ from engine.config import check_positive
 from engine.distributed import all_reduce
 from engine.errors import TaskError
 from engine.hooks import Part
+from engine.logs import log
 
 MOVED_KEYS = {"train.peak_tflops": "throughput.peak_tflops"}
 
@@ -90,6 +91,13 @@ class Throughput(Part):
     def reset_figures(self) -> None:
         self.reset()
         self.step_ends = [time.perf_counter()]
+
+    def log_epoch(self, row: dict) -> None:
+        """On rank 0, after the row's own line: the speed in the task's unit, and the MFU if measured."""
+        speed = [f"{row[key]:,.0f} {key.removesuffix('_per_s')}/s" for key in row if key == f"{self.unit}_per_s"]
+        speed += [f"MFU {row['mfu']:.1%}"] if "mfu" in row else []
+        if speed:
+            log(f"epoch {row['epoch']} speed: {', '.join(speed)}")
 
     def train_figures(self, micro_batches: int, elapsed: float) -> dict:
         items = all_reduce(self.total_items()).item()  # every rank's

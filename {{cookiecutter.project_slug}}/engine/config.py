@@ -394,8 +394,7 @@ def build(cls: type, values, prefix: str, sections: dict[str, type] | None = Non
     if not isinstance(values, dict):
         raise ConfigError(f"{prefix.rstrip('.')} must be a section (key: value lines)")
     schema = (sections or {}) | field_types(cls)
-    unknown = [name for name in values if name not in schema]
-    if unknown:
+    if unknown := [name for name in values if name not in schema]:
         raise UnknownKey(prefix + unknown[0])
     kwargs = {}
     for name, kind in schema.items():

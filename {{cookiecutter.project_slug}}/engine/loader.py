@@ -15,6 +15,7 @@ skips the micro-batches its checkpoint trained; each reader's RNG is its own.
 """
 
 import collections
+import contextlib
 import dataclasses
 import inspect
 import itertools
@@ -89,28 +90,24 @@ class TrainSampler(DistributedSampler):
 def indices_of(order, epoch: int) -> list[int]:
     """train_order's return value as a list of indices: integers only (0.9 is no index, nor
     True, nor "3"), in a list, a tuple or a 1-D integer tensor; else one line naming it."""
-    if isinstance(order, torch.Tensor) and order.ndim == 1 and is_integer(order):
+    if is_integer(order, ndim=1):
         order = order.tolist()
     what = f"data.py's train_order returned {type(order).__name__} for epoch {epoch}"
     if not isinstance(order, (list, tuple, range)):
         raise UsageError(f"{what}; return a list (or a 1-D integer tensor) of training sample indices")
     if not order:
         raise UsageError(f"{what} with no indices; return the epoch's order, as torch.randperm(num_samples, generator)")
-    bad = next((item for item in order if type(item) is not int and not is_index(item)), None)
+    bad = next((item for item in order if type(item) is not int and not is_integer(item)), None)
     if bad is not None:
         raise UsageError(f"{what} holding {type(bad).__name__} {str(bad)[:40]!r}; give integer indices only")
     return [int(item) for item in order]
 
 
-def is_integer(tensor: torch.Tensor) -> bool:
-    return not (tensor.is_floating_point() or tensor.is_complex() or tensor.dtype == torch.bool)
-
-
-def is_index(item) -> bool:
-    """An integer that is not a bool: Python's, numpy's or a 0-d integer tensor."""
+def is_integer(item, ndim: int = 0) -> bool:
+    """An integer that is not a bool: Python's, numpy's, or an integer tensor of `ndim` dimensions."""
     if isinstance(item, torch.Tensor):
-        return item.ndim == 0 and is_integer(item)
-    return isinstance(item, numbers.Integral) and not isinstance(item, bool)
+        return item.ndim == ndim and not (item.is_floating_point() or item.is_complex() or item.dtype == torch.bool)
+    return ndim == 0 and isinstance(item, numbers.Integral) and not isinstance(item, bool)
 
 
 class SeededSamples(Dataset):
@@ -178,9 +175,7 @@ def micro_batches_per_epoch(dataset_size: int, cfg: Config, env: DistEnv) -> int
 
 def steps_per_epoch(train_loader: DataLoader, cfg: Config) -> int | None:
     """Optimizer steps per epoch; None for a stream, whose length shows only at its end."""
-    if isinstance(train_loader, StreamLoader):
-        return None
-    return train_loader.sampler.num_batches // cfg.train.accum_steps
+    return None if isinstance(train_loader, StreamLoader) else train_loader.sampler.num_batches // cfg.train.accum_steps
 
 
 def build_train_loader(
@@ -230,7 +225,7 @@ def build_val_loader(dataset: Dataset, cfg: Config, env: DistEnv, device: torch.
     return make_loader(dataset, cfg, device, hooks, batch_sampler=batches)
 
 
-class RankDataLoader(DataLoader):
+class RankDataLoader(DataLoader, contextlib.AbstractContextManager):
     """A DataLoader over this rank's share, whose errors this rank reports (rank 0 never saw
     them). As a context manager it ends its workers before the process group: forked after
     it, they hold its sockets, and a group torn down beside them aborted at exit (gloo's
@@ -251,18 +246,14 @@ class RankDataLoader(DataLoader):
             error.local = not getattr(error, "agreed", False)  # unless every rank raised it alike
             raise
 
-    def __enter__(self) -> "RankDataLoader":
-        return self
-
     def __exit__(self, *exc_info) -> None:
         self.close()
 
     def close(self) -> None:
         """End the worker processes now; a later iteration starts new ones."""
         iterator, self._iterator = self._iterator, None
-        shutdown = getattr(iterator, "_shutdown_workers", None)  # torch's own, as its __del__ calls it
-        if shutdown is not None:
-            shutdown()
+        if hasattr(iterator, "_shutdown_workers"):  # torch's own, as its __del__ calls it
+            iterator._shutdown_workers()
 
 
 class StreamLoader(RankDataLoader):
@@ -298,7 +289,6 @@ def make_loader(dataset, cfg: Config, device: torch.device, hooks: dict, **sampl
         # No worker start-up cost at every epoch; but a stream's workers start anew, with
         # the epoch it is set to.
         persistent_workers=workers > 0 and not stream,
-        prefetch_factor=2 if workers > 0 else None,
         worker_init_fn=hooks.get("worker_init_fn"),
         # Its own generator: creating an iterator must not draw from the global RNG, or
         # a resumed run's dropout would diverge from the uninterrupted run's.
@@ -382,13 +372,11 @@ class StreamSteps:
     def __call__(self, batches, epoch: int, skip: int):
         for _ in range(skip):  # trained before the checkpoint this run resumed from
             next(batches, None)
-        steps = 0
-        while True:
+        for steps in itertools.count():  # whole steps given so far
             step = list(itertools.islice(batches, self.accum_steps))
             if not self.all_have(len(step) == self.accum_steps):
                 self.end_epoch(epoch, steps + skip // self.accum_steps, len(step) + sum(1 for _ in batches))
                 return
-            steps += 1
             yield from step
 
     def all_have(self, have: bool) -> bool:

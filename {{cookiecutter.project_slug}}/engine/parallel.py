@@ -25,8 +25,7 @@ def build_and_wrap(build, cfg: Config, env: DistEnv, device: torch.device, block
     that order: the wrapper must see the final modules on their device; or as a part builds it."""
     if (model := built_by_part(build, cfg, env, device, blocks, parts)) is not None:
         return model, torch.compile(model) if cfg.train.compile else model
-    model = prepare_modules(build(), cfg, env, device, blocks)
-    model.to(device, memory_format=memory_format(cfg))
+    model = prepare_modules(build(), cfg, env, device, blocks).to(device, memory_format=memory_format(cfg))
     return model, wrap_ddp(model, cfg, env, device)
 
 

@@ -10,6 +10,7 @@ given; key=value overrides apply on top (e.g. train.num_workers=0).
 
 import argparse
 import json
+import os
 from functools import partial
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from engine.distributed import (
     cleanup_distributed,
     init_distributed_mode,
     is_main,
+    parse_dist_env,
     prepare_on_node_leaders,
     stop_all_if_any_fails,
 )
@@ -54,8 +56,8 @@ def main(argv=None) -> None:
     ckpt = load_checkpoint(args.checkpoint, tensors=False)
     sections = {"data": DataConfig, "model": ModelConfig, "optim": OptimConfig}
     cfg = load_config(args.config, args.overrides, base=ckpt.get("config"), **sections)
-    env, device = init_distributed_mode(cfg.dist)  # no part's variables: a run's own (e.g. where its traces go)
-    parts = build_parts(cfg, env)  # the optional features the config turns on, as in train.py
+    parts = build_parts(cfg, parse_dist_env(os.environ))  # the optional features the config turns on, as in train.py
+    env, device = init_distributed_mode(cfg.dist, parts)  # a part may check or set variables first
     try:
         prepare_on_node_leaders(prepare_data, cfg, env, device)  # one writer per node at a time
         with stop_all_if_any_fails(device):

@@ -98,13 +98,13 @@ def main(argv=None) -> int:
         with start_run_log(cfg, env, state, loaders) as run_log:
             Run(cfg, env, state, loaders, checkpointer, stop, run_log).train(rng_restored)
     finally:
-        for part in parts:
-            part.end()
         if lock is not None:
             lock.release()
         try:
             for loader in loaders:  # their worker processes end before the process group does
                 loader.close()
+            for part in parts:
+                part.end()
         finally:  # even when a second Ctrl-C lands in the loaders' shutdown
             cleanup_distributed(parts)
     return stop.exit_code()  # after the cleanup: STOPPED_EXIT_CODE for a stop by a signal

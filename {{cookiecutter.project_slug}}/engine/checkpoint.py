@@ -180,13 +180,22 @@ def check_contents(path: Path, state: dict) -> None:
             raise not_ours(path, f"no {key!r}")
         if not isinstance(state[key], kind) or isinstance(state[key], bool):
             raise not_ours(path, f"{key!r} is {a(type(state[key]))}, not {a(kind)}")
-    for key in ["model", *state.get("weight_sets", [])]:  # and the parts' sets
+    for key in weight_sets(state):
         weights = state.get(key, {})  # a part's set is missing when that part was off
         if not isinstance(weights, dict):
             raise not_ours(path, f"{key!r} is {a(type(weights))}, not a dict")
         for name, value in weights.items():
             if not isinstance(value, torch.Tensor):
                 raise not_ours(path, f"{key!r} holds {name!r}: {a(type(value))}, not a tensor")
+
+
+def weight_sets(state: dict) -> list[str]:
+    """The model's and the parts' sets of weights in a checkpoint file, as it lists them (format 1 did not:
+    there, every other dict of tensors at its top, e.g. an average)."""
+    if "weight_sets" in state:
+        return ["model", *state["weight_sets"]]
+    tensors = [key for key, value in state.items() if isinstance(value, dict) and value and key != "model"]
+    return ["model", *(key for key in tensors if all(isinstance(t, torch.Tensor) for t in state[key].values()))]
 
 
 def a(kind: type) -> str:
@@ -327,7 +336,7 @@ def load_weights(model: torch.nn.Module, path: Path, ckpt: dict, optimizer=None,
 
 def has_part(path: Path, ckpt: dict, part: str) -> bool:
     """Whether a checkpoint file (its weight sets, checked on load), or a folder's metadata, holds `part`."""
-    return part in ["model", *ckpt.get("weight_sets", [])] if "model" in ckpt else folders(path).holds(path, part)
+    return part in weight_sets(ckpt) if "model" in ckpt else folders(path).holds(path, part)
 
 
 def check_shapes(model: torch.nn.Module, saved: dict, source: str) -> None:

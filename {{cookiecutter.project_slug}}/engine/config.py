@@ -211,12 +211,17 @@ MOVED_KEYS = {
 }
 
 
+def moved_keys() -> dict:
+    """The machinery's moved keys and the parts' (their modules' MOVED_KEYS)."""
+    return MOVED_KEYS | {
+        old: new for module in hooks.modules() for old, new in getattr(module, "MOVED_KEYS", {}).items()
+    }
+
+
 def unknown_key_message(key: str, known: list[str]) -> str:
     """Where a moved key went, or the known key closest to the one typed: the one key of the
     same name in another section (model.lr: optim.lr), or one a typo or two away."""
-    moved = MOVED_KEYS | {
-        old: new for module in hooks.modules() for old, new in getattr(module, "MOVED_KEYS", {}).items()
-    }
+    moved = moved_keys()
     if key in moved:
         new, how = moved[key] if isinstance(moved[key], tuple) else (moved[key], "rename it")
         return f"config key {key!r} moved to {new!r}; {how}"
@@ -229,13 +234,17 @@ def unknown_key_message(key: str, known: list[str]) -> str:
 
 def without_retired_keys(values: dict | None, schema: dict[str, type]) -> dict:
     """A checkpoint's stored config without what this project's schema no longer has: keys
-    of the machinery's sections (e.g. train.lr, now optim.lr) and the sections of parts it
-    was generated without. The project's own sections (data, model, optim) stay as stored.
-    A copy: the overrides go into it."""
+    of the machinery's sections (e.g. train.lr, now optim.lr), the sections of parts it was
+    generated without, and keys a part moved out of a section (their values are its own now).
+    The project's own sections (data, model, optim) stay as stored otherwise. A copy: the
+    overrides go into it."""
     kept = {name: copy.deepcopy(value) for name, value in (values or {}).items() if name in schema}
     for name, value in kept.items():
         if schema[name].__module__.startswith("engine.") and isinstance(value, dict):  # a machinery section
             kept[name] = {key: item for key, item in value.items() if key in schema[name].__dataclass_fields__}
+    for section, _, key in (old.rpartition(".") for old in moved_keys()):
+        if isinstance(kept.get(section), dict):
+            kept[section].pop(key, None)
     return kept
 
 

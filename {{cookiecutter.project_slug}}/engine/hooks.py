@@ -3,8 +3,9 @@ modules of engine/parts), and their discovery. Each part module has `build(cfg, 
 which returns its `Part` (None when its settings leave it off), and `Section`, if it has
 settings: the dataclass of its config section, named like the module (`my_part:` for
 my_part.py). A module may also say where its keys were before (`MOVED_KEYS`, engine/config.py
-reads it) and word an error a process ends with (`error_line(error)`, engine/logs.py asks
-it). A project generated without a feature has no module for it, so no section or key."""
+reads it) and word an error a process ends with (`error_line(error)`: engine/logs.py asks it
+of the MemoryError and RuntimeError it turns into one line). A project generated without a
+feature has no module for it, so no section or key."""
 
 import importlib
 import pkgutil

@@ -35,6 +35,7 @@ from engine.checkpoint import (
     save_checkpoint,
     step_checkpoints,
     strip_prefixes,
+    weight_sets,
 )
 from engine.config import Config
 from engine.distributed import DistEnv
@@ -628,3 +629,19 @@ def test_what_a_run_writes_honours_the_umask(tmp_path, umask, mode):
         assert private_folder(tmp_path / "parts").stat().st_mode & 0o777 == mode | (mode & 0o444) >> 2
     finally:
         os.umask(mine)
+
+
+def test_the_weight_sets_of_a_checkpoint_are_those_it_lists_or_before_format_2_its_dicts_of_tensors():
+    """Format 1 listed no sets: a part's weights (an average) were a dict of tensors at the
+    top, beside dicts of other things (the optimizer's, a part's counters)."""
+    tensor = torch.ones(2)
+    state = {
+        "model": {"w": tensor},
+        "average": {"w": tensor},
+        "optimizer": {"state": {}, "param_groups": []},
+        "scaler": {},
+        "early_stop": {"best": 1.0},
+    }
+    assert weight_sets(state) == ["model", "average"]
+    assert weight_sets({**state, "weight_sets": []}) == ["model"]
+    assert weight_sets({**state, "weight_sets": ["average"]}) == ["model", "average"]

@@ -67,3 +67,12 @@ def test_a_run_starts_from_them_and_a_config_of_0_7_0_is_told_where_the_key_went
     old = run_script("train.py", [*FAST, f"model.pretrained={WEIGHTS}", f"output_dir={tmp_path}/old"], check=False)
     assert old.returncode == 2
     assert old.stderr.strip() == "error: config key 'model.pretrained' moved to 'pretrained.weights'; rename it"
+
+
+def test_a_checkpoints_config_of_0_8_0_still_loads_without_its_model_pretrained_key():
+    """0.8.0 stored model.pretrained in every checkpoint's config; evaluate.py, predict.py and
+    export.py build from it, and the weights are in the checkpoint."""
+    base = {"model": {"name": "mlp", "hidden_dim": 16, "pretrained": WEIGHTS}, "seed": 3}
+    cfg = reference_config(None, [], base=base)
+    assert (cfg.model.name, cfg.model.hidden_dim, cfg.seed) == ("mlp", 16, 3)
+    assert cfg.pretrained.weights == ""

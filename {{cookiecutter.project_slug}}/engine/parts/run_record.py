@@ -65,6 +65,8 @@ class RunRecord(Part):
 
     def output_dir_held(self, output_dir: str) -> None:
         keep_output_in(Path(output_dir) / "train.log")  # rank 0's lines, across resumes
+        if self.trace_entries:  # NCCL's watchdog writes there (output_dir is shared), but does not make the folder
+            self.trace_dir.mkdir(parents=True, exist_ok=True)
 
     def setup(self, state) -> None:
         self.provenance = describe_run(self.env, PROJECT, self.record_git)  # git commit, versions, hosts
@@ -80,9 +82,6 @@ class RunRecord(Part):
 
     def process_group_env(self, env: DistEnv) -> dict[str, str]:
         check_gloo_address(socket.gethostname(), multi_node(os.environ), os.environ)
-        if self.trace_entries:
-            with contextlib.suppress(OSError):  # NCCL's watchdog writes there, but does not make the folder
-                self.trace_dir.mkdir(parents=True, exist_ok=True)  # an unwritable output_dir: reported after the lock
         return flight_recorder_env(os.environ, self.trace_entries, self.trace_dir)
 
     def lost_peer(self, error: BaseException) -> None:

@@ -18,7 +18,7 @@ PARTS = {
     "memory_report": ("memory.md", r"memory (table|report)|nvidia-ml-py|\bNVML\b|\.\[gpu\]|(?<![\w-])memory\.md"),
     "throughput": (None, r"\bMFU\b|peak_tflops|count_items|model_tflops"),  # a section of outputs.md
     "run_record": (None, r"provenance|train\.log\b|git (commit|state)|flight.recorder"),  # sections of outputs.md
-    "host_tuning": (None, r"mallopt|set_host_allocator|gc\.freeze|engine/parts/host\.py"),  # sections of saving-memory.md
+    "host_tuning": (None, r"mallopt|set_host_allocator|gc\.freeze|engine/parts/host\.py"),  # saving-memory.md
     "pretrained": ("pretrained.md", r"pretrained|ResNet18_Weights|TORCH_HOME"),
     "launcher": (None, r"engine\.launch"),  # a section of launch.md, no page of its own
     "sweep": (None, r"sweep\.py|\bsweeps?\b"),  # a section of outputs.md

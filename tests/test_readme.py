@@ -2,42 +2,48 @@
 link leading to a page; without a part, no line about it outside its own page."""
 
 import re
+from pathlib import Path
 
 import pytest
-from conftest import CHOICES, OWNED_FILES, PART_ANSWERS, bake
+from conftest import CHOICES, OWNED_FILES, PART_ANSWERS, WITHOUT_PARTS, bake
 
 MAX_README_LINES = 250
 
-# Each optional part's answer, its docs page, and how a line that speaks of it reads.
-PARTS = {
-    "ema": ("ema.md", r"\bEMA\b|\bema[.:]|ema\.md"),
-    "early_stopping": ("early-stopping.md", r"early.stop"),
-    "freezing": ("freezing.md", r"\bfreez"),
-    "profiler": ("profiler.md", r"\bprofil"),
-    "tracking": ("tracking.md", r"tensorboard|wandb|weights & biases|mlflow|\btracking[.:]"),
-    "memory_report": ("memory.md", r"memory (table|report)|nvidia-ml-py|\bNVML\b|\.\[gpu\]|(?<![\w-])memory\.md"),
-    "throughput": (None, r"\bMFU\b|peak_tflops|count_items|model_tflops"),  # a section of outputs.md
-    "run_record": (None, r"provenance|train\.log\b|git (commit|state)|flight.recorder"),  # sections of outputs.md
-    "host_tuning": (None, r"mallopt|set_host_allocator|gc\.freeze|engine/parts/host\.py"),  # saving-memory.md
-    "pretrained": ("pretrained.md", r"pretrained|ResNet18_Weights|TORCH_HOME"),
-    "launcher": (None, r"engine\.launch"),  # a section of launch.md, no page of its own
-    "sweep": (None, r"sweep\.py|\bsweeps?\b"),  # a section of outputs.md
-    "fsdp": ("fsdp.md", r"\bfsdp|sharded"),
+# How a line that speaks of a part reads, where its answer's own words (e.g. "freezing") do not
+# say it; a new part needs an entry only then. Its docs page is the one its manifest entry owns.
+MENTIONS = {
+    "ema": r"\bEMA\b|\bema[.:]|ema\.md",
+    "early_stopping": r"early.stop",
+    "freezing": r"\bfreez",
+    "profiler": r"\bprofil",
+    "tracking": r"tensorboard|wandb|weights & biases|mlflow|\btracking[.:]",
+    "memory_report": r"memory (table|report)|nvidia-ml-py|\bNVML\b|\.\[gpu\]|(?<![\w-])memory\.md",
+    "throughput": r"\bMFU\b|peak_tflops|count_items|model_tflops",  # a section of outputs.md
+    "run_record": r"provenance|train\.log\b|git (commit|state)|flight.recorder",  # sections of outputs.md
+    "host_tuning": r"mallopt|set_host_allocator|gc\.freeze|engine/parts/host\.py",  # saving-memory.md
+    "pretrained": r"pretrained|ResNet18_Weights|TORCH_HOME",
+    "launcher": r"engine\.launch",  # a section of launch.md, no page of its own
+    "sweep": r"sweep\.py|\bsweeps?\b",  # a section of outputs.md
+    "fsdp": r"\bfsdp|sharded",
 }
-ALL_PARTS_OFF = {answer: "no" for answer in PARTS}
+PAGES = {
+    answer: {Path(path).name for path in OWNED_FILES[answer] if path.startswith("docs/")} for answer in PART_ANSWERS
+}
 
 
-def test_each_parts_page_is_the_one_its_manifest_entry_owns():
-    assert set(PARTS) == set(PART_ANSWERS)
-    for answer, (page, _) in PARTS.items():
-        owned = [path for path in OWNED_FILES[answer] if path.startswith("docs/")]
-        assert owned == ([f"docs/{page}"] if page else []), answer
+def mention(answer: str) -> re.Pattern:
+    return re.compile(MENTIONS.get(answer, rf"\b{answer.replace('_', '.')}"), re.IGNORECASE)
+
+
+def test_each_part_has_at_most_one_docs_page_and_every_mention_names_a_part():
+    assert all(len(pages) <= 1 for pages in PAGES.values()), PAGES
+    assert set(MENTIONS) <= set(PART_ANSWERS)
 
 
 # Each task with every part and with none; and the default task without one part at a time,
 # where the other parts' pages may speak of it.
-VARIANTS = [(task, answers) for task in CHOICES["task"] for answers in ({}, ALL_PARTS_OFF)] + [
-    (CHOICES["task"][0], {answer: "no"}) for answer in PARTS
+VARIANTS = [(task, answers) for task in CHOICES["task"] for answers in ({}, WITHOUT_PARTS)] + [
+    (CHOICES["task"][0], {answer: "no"}) for answer in PART_ANSWERS
 ]
 
 LINK = re.compile(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)")
@@ -47,7 +53,7 @@ def variant_id(variant) -> str:
     task, answers = variant
     if not answers:
         return f"{task}-default"
-    return f"{task}-no-parts" if answers == ALL_PARTS_OFF else f"{task}-no-{next(iter(answers))}"
+    return f"{task}-no-parts" if answers == WITHOUT_PARTS else f"{task}-no-{next(iter(answers))}"
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=variant_id)
@@ -59,7 +65,7 @@ def project(request, tmp_path_factory):
 def expected_pages(project, answers):
     """The docs pages of the bake but those of the parts answered no (the post-generation
     hook deletes them)."""
-    off = {PARTS[answer][0] for answer in answers}
+    off = {page for answer in answers for page in PAGES[answer]}
     return {page for page in (project / "docs").glob("*.md") if page.name not in off}
 
 
@@ -99,7 +105,7 @@ def test_every_docs_page_is_linked_from_the_readme(project):
 def test_without_its_part_no_page_speaks_of_it(project):
     project, answers = project
     for answer in answers:
-        mention = re.compile(PARTS[answer][1], re.IGNORECASE)
+        speaks = mention(answer)
         for page in [project / "README.md", *expected_pages(project, answers)]:
-            lines = [line for line in page.read_text().splitlines() if mention.search(line)]
+            lines = [line for line in page.read_text().splitlines() if speaks.search(line)]
             assert lines == [], f"{page.name} speaks of {answer}: {lines}"

@@ -84,7 +84,7 @@ def main(out: str, overrides: list[str]) -> None:
     reset_peak()
     train.Run(cfg, env, state, (train_loader, val_loader), checkpointer, stop, QuietLog()).train_epoch()
     row["step_peak_mib"] = status_mib("VmHWM")
-    row |= train_state_mib(state.model, state.optimizer)
+    row |= train_state_mib(state)
     reset_peak()
     started = time.perf_counter()
     checkpointer.save(state)

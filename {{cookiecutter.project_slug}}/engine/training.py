@@ -11,12 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    get_optimizer_state_dict,
-    set_optimizer_state_dict,
-)
+from torch.distributed.checkpoint import state_dict as dcp_state
 
 from engine.config import Config, TrainConfig
 from engine.distributed import all_reduce, is_main
@@ -26,6 +21,7 @@ from engine.hooks import Part
 # train.precision: bf16 and fp16 run the forward passes under autocast; fp16 also scales
 # the loss (GradScaler), since its gradients underflow.
 AMP_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+NO_OP = contextlib.nullcontext()  # reusable: the steps build no context object where nothing is to be done
 
 
 def check_precision(cfg: Config, device: torch.device) -> None:
@@ -34,9 +30,8 @@ def check_precision(cfg: Config, device: torch.device) -> None:
 
 
 def autocast(precision: str, device: torch.device):
-    """A context for forward passes: autocast for bf16/fp16, a no-op for fp32."""
     if precision == "fp32":
-        return contextlib.nullcontext()
+        return NO_OP
     return torch.autocast(device.type, dtype=AMP_DTYPES[precision])
 
 
@@ -69,8 +64,9 @@ class NonFiniteGuard:
         """Whether to skip the step; reading the norm then syncs, so only with train.max_bad_steps."""
         if hasattr(grad_norm, "full_tensor"):  # a sharded model's (a DTensor): the norm over every shard
             grad_norm = grad_norm.full_tensor()
-        if self.max_bad_steps == 0:
-            self.keep(grad_norm, step)
+        if self.max_bad_steps == 0:  # kept on the device: the first step whose norm is not finite
+            first = self.first_bad_step
+            self.first_bad_step = torch.where(~torch.isfinite(grad_norm) & (first < 0), step, first)
             return False
         if bool(torch.isfinite(grad_norm)):
             return False
@@ -79,11 +75,6 @@ class NonFiniteGuard:
             skipped = f"after {self.max_bad_steps} skipped (train.max_bad_steps)"
             raise DivergedError(self.message(f"at step {step}, {skipped}"))
         return True
-
-    def keep(self, grad_norm: torch.Tensor, step: int) -> None:
-        """`step` becomes the first bad step if its norm is not finite and none was before."""
-        first = self.first_bad_step
-        self.first_bad_step = torch.where(~torch.isfinite(grad_norm) & (first < 0), step, first)
 
     def check_later(self) -> None:
         """Stop every rank if a step before the previous call was bad, without waiting for the
@@ -113,25 +104,20 @@ class LaggedValue:
     host and returns what the previous call copied (None the first time), long finished."""
 
     def __init__(self):
-        self.pending = None  # (host tensor, CUDA event or None)
+        self.pending = (None, None)  # (host tensor, CUDA event recorded after its copy)
 
     def swap(self, tensor: torch.Tensor) -> int | float | None:
-        previous = None
-        if self.pending is not None:
-            host, copied = self.pending
-            if copied is not None:
-                copied.synchronize()  # the copy of one interval ago: finished long since
-            previous = host.item()
-        # From a GPU, a non-blocking copy lands in pinned memory: queued, never waited for.
-        copied = torch.cuda.Event() if tensor.is_cuda else None
-        self.pending = (tensor.to("cpu", non_blocking=True, copy=True), copied)
+        host, copied = self.pending
         if copied is not None:
-            copied.record()
-        return previous
+            copied.synchronize()  # the copy of one interval ago: finished long since
+        # From a GPU, a non-blocking copy lands in pinned memory: queued, never waited for.
+        copy = tensor.to("cpu", non_blocking=True, copy=True)
+        self.pending = (copy, torch.cuda.current_stream().record_event() if tensor.is_cuda else None)
+        return None if host is None else host.item()
 
 
-FULL = StateDictOptions(full_state_dict=True)
-FULL_ON_CPU = StateDictOptions(full_state_dict=True, cpu_offload=True)
+FULL = dcp_state.StateDictOptions(full_state_dict=True)
+FULL_ON_CPU = dcp_state.StateDictOptions(full_state_dict=True, cpu_offload=True)
 CORE_KEYS = {"model", "optimizer", "scheduler", "scaler", "epoch", "batches_done", "step", "config", "rng", "states"}
 
 
@@ -148,18 +134,13 @@ class TrainState:
     device: torch.device  # where the model lives (not saved)
     accum_steps: int = 1  # micro-batches per optimizer step (from the config: not saved)
     steps_per_epoch: int | None = 1  # optimizer steps per epoch (from the data: not saved); None: a stream
-    parts: list[Part] = field(default_factory=list)  # the run's optional features (engine/parts)
-    states: dict = field(default_factory=dict)  # more checkpointed objects, by name: see `register`
+    parts: list[Part] = field(default_factory=list, init=False)  # the run's optional features: see `register`
+    states: dict = field(default_factory=dict, init=False)  # more checkpointed objects, by name: see `register`
     epoch: int = 0  # epoch in progress
     batches_done: int = 0  # micro-batches of `epoch` already trained
     step: int = 0  # optimizer steps taken in the whole run
     best_metric_value: float | None = None  # of checkpoint.best_metric, over the evaluations so far
     evaluated_step: int = 0  # the step of the last evaluation: a resumed run does one left undone
-
-    def __post_init__(self):
-        parts, self.parts = self.parts, []
-        for part in parts:
-            self.register(part.name, part)
 
     def register(self, name: str, obj) -> None:
         """Checkpoint `obj` (with state_dict() and load_state_dict(): a counter, a second
@@ -178,8 +159,8 @@ class TrainState:
         resumes the other), and each part's set of weights. Every rank must call this: a
         sharded model's are gathered."""
         return {
-            "model": get_model_state_dict(self.model, options=FULL_ON_CPU),
-            "optimizer": get_optimizer_state_dict(self.model, self.optimizer, options=FULL_ON_CPU),
+            "model": dcp_state.get_model_state_dict(self.model, options=FULL_ON_CPU),
+            "optimizer": dcp_state.get_optimizer_state_dict(self.model, self.optimizer, options=FULL_ON_CPU),
             **{part.name: full_on_main(part.weights()) for part in self.parts if part.holds_weights},
             **self.run_state_dict(),
         }
@@ -203,7 +184,7 @@ class TrainState:
     def load_state_dict(self, state: dict) -> None:
         """All but the model's weights, which are loaded apart."""
         if "optimizer" in state:
-            set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=FULL)
+            dcp_state.set_optimizer_state_dict(self.model, self.optimizer, state["optimizer"], options=FULL)
         self.scheduler.load_state_dict(state["scheduler"])
         self.scaler.load_state_dict(state["scaler"])
         self.epoch = state["epoch"]
@@ -214,7 +195,7 @@ class TrainState:
         self.guard.skipped_steps = state.get("skipped_steps", 0)
         saved = state.get("states", {})
         for name, obj in self.states.items():
-            found = saved.get(name, state.get(name) if name not in CORE_KEYS else None)  # older: at the top
+            found = saved.get(name, state.get(name))  # older: at the top (`register` refuses CORE_KEYS)
             if isinstance(found, dict):  # else new since the checkpoint: it starts afresh
                 obj.load_state_dict(found)
 
@@ -254,7 +235,7 @@ def forward_backward(state: TrainState, batch, training_step, precision: str) ->
     a step sees the mean over batch_size x world size x accum_steps samples."""
     accum = state.accum_steps
     state.batches_done += 1
-    with gradient_sync(state.train_model, enabled=state.completes_step()):
+    with NO_OP if state.completes_step() else without_gradient_sync(state.train_model):
         with autocast(precision, state.device):
             losses = named_losses(call_training_step(training_step, state.train_model, batch))
         state.scaler.scale(losses["loss"] / accum if accum > 1 else losses["loss"]).backward()
@@ -262,26 +243,22 @@ def forward_backward(state: TrainState, batch, training_step, precision: str) ->
 
 
 def call_training_step(training_step, model: nn.Module, batch):
+    """training_step's output; DDP's failure when a parameter got no gradient in the previous step, in one line."""
     try:
         return training_step(model, batch)
     except RuntimeError as error:
         if "Expected to have finished reduction in the prior iteration" not in str(error):
             raise
-        raise UsageError(unused_parameters_message(model, str(error))) from None
-
-
-def unused_parameters_message(model: nn.Module, ddp_message: str) -> str:
-    """One line for DDP's failure when a parameter got no gradient in the previous step."""
-    trained = [name for name, p in model.named_parameters() if p.requires_grad]
-    listed = re.search(r"did not receive grad for rank \d+: ([\d ]+)", ddp_message)
-    indices = [int(i) for i in listed.group(1).split()] if listed else []
-    names = [trained[i].removeprefix("module.") for i in indices if i < len(trained)]
-    which = f" ({', '.join(names)})" if names else ""
-    return (
-        f"a model parameter{which} got no gradient in a training step, and DDP needs every parameter in every "
-        "step's loss; set dist.find_unused_parameters=true (for branches unused in some steps), or set "
-        "requires_grad=False on parameters that are never used"
-    )
+        trained = [name for name, p in model.named_parameters() if p.requires_grad]
+        listed = re.search(r"did not receive grad for rank \d+: ([\d ]+)", str(error))
+        indices = [int(i) for i in listed.group(1).split()] if listed else []
+        names = [trained[i].removeprefix("module.") for i in indices if i < len(trained)]
+        which = f" ({', '.join(names)})" if names else ""
+        raise UsageError(
+            f"a model parameter{which} got no gradient in a training step, and DDP needs every parameter in every "
+            "step's loss; set dist.find_unused_parameters=true (for branches unused in some steps), or set "
+            "requires_grad=False on parameters that are never used"
+        ) from None
 
 
 def named_losses(output) -> dict[str, torch.Tensor]:
@@ -314,26 +291,22 @@ def check_loss(what: str, loss) -> None:
         )
 
 
-def gradient_sync(model: nn.Module, enabled: bool):
+def without_gradient_sync(model: nn.Module):
     """Skip the all-reduce on micro-batches that only accumulate."""
-    if enabled:
-        return contextlib.nullcontext()
     model = getattr(model, "_orig_mod", model)  # torch.compile's wrapper
     # DDP's no_sync, or one a part gives the model it wraps (e.g. sharded); one process: nothing to sync.
-    return model.no_sync() if hasattr(model, "no_sync") else contextlib.nullcontext()
+    return model.no_sync() if hasattr(model, "no_sync") else NO_OP
 
 
 def optimizer_step(state: TrainState, train: TrainConfig) -> None:
     """Clip, update (unless the guard skips a non-finite step), advance the schedule."""
-    skip = False
     if train.grad_clip > 0:
         state.scaler.unscale_(state.optimizer)  # clip true gradients, not scaled ones
         grad_norm = torch.nn.utils.clip_grad_norm_(state.model.parameters(), train.grad_clip)
     elif not state.scaler.is_enabled():
         grad_norm = torch.nn.utils.get_total_norm([p.grad for p in state.model.parameters() if p.grad is not None])
-    if not state.scaler.is_enabled():  # fp16's GradScaler skips non-finite steps itself
-        skip = state.guard.skip_step(grad_norm, state.step + 1)
-    if not skip:
+    # fp16's GradScaler skips non-finite steps itself.
+    if state.scaler.is_enabled() or not state.guard.skip_step(grad_norm, state.step + 1):
         state.scaler.step(state.optimizer)
     state.scaler.update()
     state.optimizer.zero_grad(set_to_none=True)
@@ -365,8 +338,10 @@ class EpochStats:
         for meter in self.meters:
             meter.reset_figures()
 
-    def measuring(self, batch) -> contextlib.ExitStack:
+    def measuring(self, batch):
         """Around a micro-batch's forward and backward: what the meters measure of it."""
+        if not self.meters:
+            return NO_OP
         stack = contextlib.ExitStack()
         for meter in self.meters:
             stack.enter_context(meter.measure(batch))

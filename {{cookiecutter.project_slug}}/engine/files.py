@@ -39,7 +39,6 @@ def append_whole(path: Path, text: str) -> None:
 
 def write_text_whole(path: Path, text: str) -> None:
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
         atomic_write(path.parent, path.name, lambda f: f.write(text.encode()))
     except OSError as error:
         raise not_written(path, error) from None

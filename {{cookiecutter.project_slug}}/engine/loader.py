@@ -193,7 +193,9 @@ def build_train_loader(
             raise UsageError("data.py's train_order orders a training set with a length; a stream orders itself")
         stream = StreamParts(dataset, env.rank, env.world_size, cfg.seed)
         loader = make_loader(stream, cfg, device, hooks, batch_size=cfg.train.batch_size, drop_last=True)
-        loader.steps = StreamSteps(cfg.train.accum_steps, vote_group)
+        loader.accum_steps = cfg.train.accum_steps
+        if get_world_size() > 1:  # without the run's group (a script of the user's): one of its own
+            loader.group = vote_group if vote_group is not None else dist.new_group(backend="gloo")
         return loader
     order = hooks.get("train_order")
     sampler = TrainSampler(dataset, env, cfg.seed, cfg.train.batch_size, order=order and with_settings(order, cfg))
@@ -257,24 +259,55 @@ class RankDataLoader(DataLoader, contextlib.AbstractContextManager):
 
 
 class StreamLoader(RankDataLoader):
-    """A stream's micro-batches, in whole optimizer steps, as many on every rank (engine/loader.py)."""
+    """A stream's micro-batches in whole optimizer steps, as many on every rank. The votes go
+    on `group` (gloo), bounded by dist.step_timeout_minutes after the first step."""
 
-    steps: "StreamSteps"
-    epoch, start_batch, batches = 0, 0, None
+    accum_steps, group = 1, None  # build_train_loader's
+    start_batch, batches, told = 0, None, False
 
     def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
         self.dataset.set_epoch(epoch)
-        self.epoch, self.start_batch = epoch, start_batch
+        self.start_batch = start_batch
         self.generator.manual_seed(derive_seed(self.dataset.seed, self.dataset.rank, epoch))  # workers' own seeds
 
     def __iter__(self):
-        self.batches = self.steps(super().__iter__(), self.epoch, self.start_batch)
+        self.batches = self.whole_steps(super().__iter__(), self.dataset.epoch, self.start_batch)
         return self.batches
 
     def close(self) -> None:
         if self.batches is not None:  # its workers end with it
             self.batches.close()
         super().close()
+
+    def whole_steps(self, batches, epoch: int, skip: int):
+        for _ in range(skip):  # trained before the checkpoint this run resumed from
+            next(batches, None)
+        for steps in itertools.count():  # whole steps given so far
+            step = list(itertools.islice(batches, self.accum_steps))
+            if not vote([float(len(step) == self.accum_steps)], "min", self.group)[0]:  # every rank has the step
+                self.end_epoch(epoch, steps + skip // self.accum_steps, len(step) + sum(1 for _ in batches))
+                return
+            yield from step
+
+    def end_epoch(self, epoch: int, steps: int, left: int) -> None:
+        """Say how long the epoch was and, once, what ranks had beyond the shortest share."""
+        left_over = all_gather_objects(left)
+        if steps == 0:
+            raise UsageError(
+                f"the training stream gave a rank no whole optimizer step in epoch {epoch} (micro-batches per rank: "
+                f"{left_over}); give it more samples, or lower train.batch_size or train.accum_steps"
+            )
+        if not is_main():
+            return
+        line = f"epoch {epoch} of the stream: {steps} steps on every rank"
+        if any(left_over) and not self.told:
+            self.told = True
+            per_rank = ", ".join(f"{n} on rank {rank}" for rank, n in enumerate(left_over))
+            line += (
+                f", as many as the shortest share has; micro-batches left out: {per_rank} (and each DataLoader "
+                "worker's last partial batch); a stream split into more, evener parts loses less"
+            )
+        log(line)
 
 
 def make_loader(dataset, cfg: Config, device: torch.device, hooks: dict, **sampling) -> DataLoader:
@@ -322,11 +355,7 @@ def move_to_device(batch, device: torch.device, memory_format=torch.preserve_for
             return leaf.to(device, non_blocking=True, memory_format=layout)
         return leaf.to(device)
 
-    return map_leaves(batch, move, has_to)
-
-
-def has_to(value) -> bool:
-    return isinstance(value, torch.Tensor) or callable(getattr(value, "to", None))
+    return map_leaves(batch, move, lambda value: callable(getattr(value, "to", None)))
 
 
 class StreamParts(IterableDataset):
@@ -357,48 +386,3 @@ class StreamParts(IterableDataset):
             if sample is StopIteration:
                 return
             yield sample
-
-
-class StreamSteps:
-    """A stream's micro-batches in whole optimizer steps, as many on every rank. The votes
-    go on `vote_group` (gloo), bounded by dist.step_timeout_minutes after the first step."""
-
-    def __init__(self, accum_steps: int, vote_group):
-        self.accum_steps, self.told = accum_steps, False
-        self.group = None
-        if get_world_size() > 1:  # without the run's group (a script of the user's): one of its own
-            self.group = vote_group if vote_group is not None else dist.new_group(backend="gloo")
-
-    def __call__(self, batches, epoch: int, skip: int):
-        for _ in range(skip):  # trained before the checkpoint this run resumed from
-            next(batches, None)
-        for steps in itertools.count():  # whole steps given so far
-            step = list(itertools.islice(batches, self.accum_steps))
-            if not self.all_have(len(step) == self.accum_steps):
-                self.end_epoch(epoch, steps + skip // self.accum_steps, len(step) + sum(1 for _ in batches))
-                return
-            yield from step
-
-    def all_have(self, have: bool) -> bool:
-        """Whether every rank has its next step's micro-batches. Every rank must call this."""
-        return have if self.group is None else bool(vote([float(have)], "min", self.group)[0])
-
-    def end_epoch(self, epoch: int, steps: int, left: int) -> None:
-        """Say how long the epoch was and, once, what ranks had beyond the shortest share."""
-        left_over = all_gather_objects(left)
-        if steps == 0:
-            raise UsageError(
-                f"the training stream gave a rank no whole optimizer step in epoch {epoch} (micro-batches per rank: "
-                f"{left_over}); give it more samples, or lower train.batch_size or train.accum_steps"
-            )
-        if not is_main():
-            return
-        line = f"epoch {epoch} of the stream: {steps} steps on every rank"
-        if any(left_over) and not self.told:
-            self.told = True
-            per_rank = ", ".join(f"{n} on rank {rank}" for rank, n in enumerate(left_over))
-            line += (
-                f", as many as the shortest share has; micro-batches left out: {per_rank} (and each DataLoader "
-                "worker's last partial batch); a stream split into more, evener parts loses less"
-            )
-        log(line)

@@ -173,7 +173,8 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, base: dic
     by name (data=DataConfig, model=ModelConfig, optim=OptimConfig); the parts' are added."""
     sections = sections | hooks.sections()
     known = all_keys(Config, sections)
-    values = read_yaml(Path(path)) if path is not None else without_retired_keys(base, sections | field_types(Config))
+    moved = MOVED_KEYS | {old: new for part in hooks.modules() for old, new in getattr(part, "MOVED_KEYS", {}).items()}
+    values = read_yaml(Path(path)) if path is not None else without_retired_keys(base, sections, moved)
     for override in overrides:
         key, sep, raw = override.partition("=")
         key = key.strip()
@@ -193,7 +194,7 @@ def load_config(path: str | Path | None, overrides: list[str] = (), *, base: dic
     try:
         return build(Config, values, "", sections)
     except UnknownKey as error:
-        raise ConfigError(unknown_key_message(error.args[0], known)) from None
+        raise ConfigError(unknown_key_message(error.args[0], known, moved)) from None
     except RecursionError:
         raise ConfigError(f"a value in the config or an override nests {TOO_DEEP}") from None
 
@@ -211,17 +212,9 @@ MOVED_KEYS = {
 }
 
 
-def moved_keys() -> dict:
-    """The machinery's moved keys and the parts' (their modules' MOVED_KEYS)."""
-    return MOVED_KEYS | {
-        old: new for module in hooks.modules() for old, new in getattr(module, "MOVED_KEYS", {}).items()
-    }
-
-
-def unknown_key_message(key: str, known: list[str]) -> str:
+def unknown_key_message(key: str, known: list[str], moved: dict) -> str:
     """Where a moved key went, or the known key closest to the one typed: the one key of the
     same name in another section (model.lr: optim.lr), or one a typo or two away."""
-    moved = moved_keys()
     if key in moved:
         new, how = moved[key] if isinstance(moved[key], tuple) else (moved[key], "rename it")
         return f"config key {key!r} moved to {new!r}; {how}"
@@ -232,17 +225,18 @@ def unknown_key_message(key: str, known: list[str]) -> str:
     return f"unknown config key {shown(key)}{hint}"
 
 
-def without_retired_keys(values: dict | None, schema: dict[str, type]) -> dict:
+def without_retired_keys(values: dict | None, sections: dict[str, type], moved: dict) -> dict:
     """A checkpoint's stored config without what this project's schema no longer has: keys
     of the machinery's sections (e.g. train.lr, now optim.lr), the sections of parts it was
     generated without, and keys a part moved out of a section (their values are its own now).
     The project's own sections (data, model, optim) stay as stored otherwise. A copy: the
     overrides go into it."""
+    schema = sections | field_types(Config)
     kept = {name: copy.deepcopy(value) for name, value in (values or {}).items() if name in schema}
     for name, value in kept.items():
         if schema[name].__module__.startswith("engine.") and isinstance(value, dict):  # a machinery section
             kept[name] = {key: item for key, item in value.items() if key in schema[name].__dataclass_fields__}
-    for section, _, key in (old.rpartition(".") for old in moved_keys()):
+    for section, _, key in (old.rpartition(".") for old in moved):
         if isinstance(kept.get(section), dict):
             kept[section].pop(key, None)
     return kept

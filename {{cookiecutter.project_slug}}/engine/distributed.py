@@ -15,7 +15,6 @@ from engine.config import DistConfig
 from engine.errors import ConfigError, PeerFailed, UsageError
 
 SLURM_PORTS = range(12000, 29000)  # below torchrun's 29500 and Linux's ephemeral range (32768-60999)
-REDUCE_OPS = {"sum": dist.ReduceOp.SUM, "min": dist.ReduceOp.MIN, "max": dist.ReduceOp.MAX}  # all_reduce's ops
 
 
 @dataclass(frozen=True)
@@ -59,7 +58,6 @@ def torchrun_env(environ: Mapping[str, str]) -> DistEnv:
 
 
 def srun_env(environ: Mapping[str, str]) -> DistEnv:
-    """An srun task: SLURM_PROCID of the step's tasks; the master the first host of the node list."""
     tasks = "SLURM_STEP_NUM_TASKS" if "SLURM_STEP_NUM_TASKS" in environ else "SLURM_NTASKS"
     fix = "srun sets it for each task; unset it and SLURM_STEP_ID to run one process, or start with srun"
     rank, world_size, local_rank = (whole_number(environ, n, fix) for n in ("SLURM_PROCID", tasks, "SLURM_LOCALID"))
@@ -134,8 +132,7 @@ def select_device(env: DistEnv, cuda_available: bool, device_count: int = 0) -> 
 
 
 def init_distributed_mode(cfg: DistConfig, parts=()) -> tuple[DistEnv, torch.device]:
-    """Bind this process to its device, then join the process group (if launched). `parts`
-    (engine/parts) may set variables for it first, e.g. the flight recorder's."""
+    """Bind this process to its device, then join the process group (if launched); `parts` may set its variables."""
     env = parse_dist_env(os.environ)
     cuda = torch.cuda.is_available()
     device = select_device(env, cuda, torch.cuda.device_count() if cuda else 0)
@@ -213,14 +210,14 @@ def is_main() -> bool:
 def all_reduce(tensor: torch.Tensor, op: str = "sum", group=None) -> torch.Tensor:
     """`tensor` reduced ("sum", "min" or "max") over `group` (None: all processes), in place; all must call."""
     if get_world_size() > 1:
-        dist.all_reduce(tensor, op=REDUCE_OPS[op], group=group)
+        dist.all_reduce(tensor, op=getattr(dist.ReduceOp, op.upper()), group=group)
     return tensor
 
 
 def vote(values: list[float], op: str, group=None, device: torch.device | None = None) -> list[float]:
     """Each of `values` reduced ("min" or "max") over `group` (None: the default, on `device`); all must call."""
     if get_world_size() == 1:
-        return values
+        return values  # no device call: the failure voted on may be the device's own
     return all_reduce(torch.tensor(values, dtype=torch.float64, device=device), op, group).tolist()
 
 

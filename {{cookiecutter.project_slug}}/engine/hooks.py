@@ -59,12 +59,11 @@ class Part:
 
 
 PACKAGE = "engine.parts"  # the folder beside this module
-FOLDER = Path(__file__).with_name("parts")
 
 
 def modules() -> list:
     """The part modules of this project, by name."""
-    names = sorted(found.name for found in pkgutil.iter_modules([str(FOLDER)]))
+    names = sorted(found.name for found in pkgutil.iter_modules([str(Path(__file__).with_name("parts"))]))
     return [importlib.import_module(f"{PACKAGE}.{name}") for name in names]
 
 

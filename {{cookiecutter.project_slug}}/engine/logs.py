@@ -29,16 +29,12 @@ def log(message: str) -> None:
 
 
 class RunLog(contextlib.AbstractContextManager):
-    """Rank 0's record of the run: a JSON line per epoch in metrics.jsonl (a resumed run
-    appends), the same figures to each part that records them (e.g. trackers), console lines,
-    and each epoch's progress: a tqdm bar on a terminal, plain lines otherwise. Leaving it
-    closes the parts' records, marked failed if an error is on its way. `samples_per_step` is
-    the effective batch."""
+    """Rank 0's record of the run (a resumed run appends to metrics.jsonl). Leaving it closes the
+    parts' records, marked failed if an error is on its way. `samples_per_step` is the effective batch."""
 
     def __init__(self, cfg, samples_per_step: int, start_step: int, parts=()):
         self.every, self.samples_per_step = cfg.train.log_every_steps, samples_per_step
         self.metrics_path = Path(cfg.output_dir) / "metrics.jsonl"
-        self.metrics_path.parent.mkdir(parents=True, exist_ok=True)
         # Rows of steps after the checkpoint the run starts from (work it does again, e.g.
         # after a save that failed) and torn lines go aside: no epoch has two rows, nothing is lost.
         aside = self.metrics_path.with_name("metrics.rewound.jsonl")
@@ -73,7 +69,6 @@ class RunLog(contextlib.AbstractContextManager):
             part.log_scalars(step, {"train/loss": loss, "train/lr": lr, "train/samples_per_s": samples_per_s})
 
     def close(self) -> None:
-        """End the epoch's progress bar."""
         self.bar.close()
 
     log = staticmethod(log)  # the module-level log(message)
@@ -105,8 +100,8 @@ def format_epoch(metrics: dict) -> str:
     """One console line: the train loss, every validation metric, the speed."""
     shown = [f"train_loss {metrics['train_loss']:.4f}"]
     shown += [f"{key} {value:.4f}" for key, value in metrics.items() if "val_" in key]
-    speed = [f"{metrics['samples_per_s']:.0f} samples/s"]
-    return f"epoch {metrics['epoch']}: {'  '.join(shown)} ({metrics['num_samples']} samples)  {', '.join(speed)}"
+    speed = f"{metrics['samples_per_s']:.0f} samples/s"
+    return f"epoch {metrics['epoch']}: {'  '.join(shown)} ({metrics['num_samples']} samples)  {speed}"
 
 
 ERROR_FILE_VARIABLE = "TORCHELASTIC_ERROR_FILE"  # set by torchrun for each process it starts

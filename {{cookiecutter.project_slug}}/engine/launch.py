@@ -43,15 +43,13 @@ def main(argv: list[str] | None = None) -> int:
         for stop_signal in STOP_SIGNALS:  # torchrun has waited: a further signal ends this one
             signal.signal(stop_signal, signal.SIG_DFL)
         sigval = getattr(stop, "sigval", signal.SIGINT)  # KeyboardInterrupt: before torchrun took the signals
-        started = isinstance(stop, SignalException)
-        left = started and processes_left()  # torchrun gave up waiting (a signal while it waited)
-        if started and not left and all_saved(Path(args.log_dir), earlier):
-            return STOPPED_EXIT_CODE  # each said so (train.py's `stopped at step N ...`): the same command continues
         passed = f"stopped by {sigval.name}: torchrun passed it on to every process"
-        if not started:
+        if not isinstance(stop, SignalException):
             line = f"stopped by {sigval.name} before any process started"
-        elif left:  # they stop on their own
+        elif processes_left():  # torchrun gave up waiting (a signal while it waited): they stop on their own
             line = f"{passed}; some are still stopping on their own"
+        elif all_saved(Path(args.log_dir), earlier):
+            return STOPPED_EXIT_CODE  # each said so (train.py's `stopped at step N ...`): the same command continues
         else:
             line = f"{passed}, and all have ended (their last lines say how)"
         print(line, file=sys.stderr, flush=True)
@@ -102,7 +100,7 @@ def shown_failure(failures: dict[int, ProcessFailure]) -> tuple[str, int]:
     return min(diagnosis(rank, failure, first_exit) for rank, failure in failures.items())[-2:]
 
 
-def diagnosis(rank: int, failure: ProcessFailure, first_exit: float = math.inf) -> tuple[int, float, int, str, int]:
+def diagnosis(rank: int, failure: ProcessFailure, first_exit: float) -> tuple[int, float, int, str, int]:
     """(blame, timestamp, rank, line, exit code); blamed first: an `error: ...` line, a kill, a crash, another
     line (a consequence), an exit code alone, SIGTERM (torchrun's to the rest)."""
     recorded = os.path.isfile(failure.error_file) and isinstance(failure.message, dict)

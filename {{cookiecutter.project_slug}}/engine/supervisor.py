@@ -15,12 +15,9 @@ PR_SET_PDEATHSIG = 1  # prctl's option: the signal a process gets when its paren
 
 
 class Supervisor:
-    """Runs sweep.py's commands one at a time, passing on its stop signals; if it dies, the child gets SIGTERM."""
-
     def __init__(self):
         self.child = None
         self.received = []  # stop signals, in order
-        self.passed = 0  # how many of them the child got
 
     def __enter__(self) -> "Supervisor":
         self.previous = {sig: signal.signal(sig, self.receive) for sig in STOP_SIGNALS}
@@ -36,7 +33,7 @@ class Supervisor:
 
     def run(self, command: list[str], env: dict | None = None) -> str:
         """How it ended: "ok", "stopped" (STOPPED_EXIT_CODE, or failed after a signal passed on) or "exit N"."""
-        self.passed = 0
+        self.passed = 0  # how many of the stop signals this child got
         set_up = terminated_with_parent(os.getpid())
         self.child = subprocess.Popen(command, env=env, start_new_session=True, preexec_fn=set_up)
         self.pass_on()  # a signal that came while it started

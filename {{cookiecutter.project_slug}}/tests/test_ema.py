@@ -29,7 +29,7 @@ def test_the_average_copies_the_weights_through_the_first_update_after_the_start
     model = nn.Sequential(nn.Linear(3, 2), nn.BatchNorm1d(2))
     ema = WeightEMA(decay=0.75, start_step=2).attach(model)
     for step in range(1, 5):
-        before = {name: tensor.clone() for name, tensor in ema.tensors.items()}
+        before = {name: tensor.clone() for name, tensor in ema.weights().items()}
         with torch.no_grad():
             for tensor in (*model.parameters(), model[1].running_mean):
                 tensor.add_(float(step))
@@ -40,9 +40,9 @@ def test_the_average_copies_the_weights_through_the_first_update_after_the_start
                 expected = weight
             else:
                 expected = 0.75 * before[name] + 0.25 * weight
-            assert torch.allclose(ema.tensors[name], expected), (step, name)
+            assert torch.allclose(ema.weights()[name], expected), (step, name)
     kept = {name: tensor.clone() for name, tensor in model.state_dict().items()}
-    average = {name: tensor.clone() for name, tensor in ema.tensors.items()}
+    average = {name: tensor.clone() for name, tensor in ema.weights().items()}
     with ema.swapped_into_model():
         assert all(torch.equal(model.state_dict()[name], tensor) for name, tensor in average.items())
         assert not torch.equal(model[0].weight, kept["0.weight"])
@@ -86,10 +86,10 @@ def test_tied_weights_are_averaged_once_and_saved_under_each_name():
     ema.update(1)  # the first update copies the weights
     with torch.no_grad():
         model[0].weight.add_(2.0)
-    before = ema.tensors["0.weight"].clone()
+    before = ema.weights()["0.weight"].clone()
     ema.update(2)
-    assert list(ema.tensors) == ["0.weight", "1.weight"] and ema.tensors["1.weight"] is ema.tensors["0.weight"]
-    assert torch.allclose(ema.tensors["0.weight"], 0.5 * before + 0.5 * model[0].weight)
+    assert list(ema.weights()) == ["0.weight", "1.weight"] and ema.weights()["1.weight"] is ema.weights()["0.weight"]
+    assert torch.allclose(ema.weights()["0.weight"], 0.5 * before + 0.5 * model[0].weight)
     kept, average = model[0].weight.detach().clone(), ema.averages["0.weight"].clone()
     with ema.swapped_into_model():
         assert torch.equal(model[1].weight, average)  # swapped once, not twice
@@ -117,13 +117,13 @@ def test_an_update_period_averages_every_nth_step_only():
     model = nn.Linear(2, 1)
     ema = WeightEMA(decay=0.5, every_steps=3).attach(model)
     for step in range(1, 8):
-        before = ema.tensors["weight"].clone()
+        before = ema.weights()["weight"].clone()
         with torch.no_grad():
             model.weight.add_(1.0)
         ema.update(step)
         # Updates at steps 1, 4, 7 (the 1st, 4th, ... step): the first copies the weights.
         expected = {1: model.weight, 4: 0.5 * before + 0.5 * model.weight, 7: 0.5 * before + 0.5 * model.weight}
-        assert torch.allclose(ema.tensors["weight"], expected.get(step, before)), step
+        assert torch.allclose(ema.weights()["weight"], expected.get(step, before)), step
 
 
 class Steps:
@@ -157,7 +157,7 @@ def test_the_settings_give_torchvisions_recipe_arithmetic(steps_per_epoch, every
                     reference.n_averaged.fill_(0)
             ours.update(epoch * steps_per_epoch + i + 1)
             expected = dict(reference.module.named_parameters()) | dict(reference.module.named_buffers())
-            for name, tensor in ours.tensors.items():
+            for name, tensor in ours.weights().items():
                 if tensor.is_floating_point():
                     assert torch.equal(tensor, expected[name]), (epoch, i, name)
 

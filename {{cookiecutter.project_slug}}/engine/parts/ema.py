@@ -2,14 +2,13 @@
 (ema_val_*), saved in checkpoints, and evaluated alone by evaluate.py --weights ema.
 
 At every ema.every_steps-th optimizer step of each epoch (its 1st, 1 + every_steps-th, ...):
-ema = decay x ema + (1 - decay) x weights, one fused op on the device. Until the first such
-update after ema.start_step (or ema.warmup_epochs) an update copies the weights instead: the
-arithmetic of torchvision's recipe, whose AveragedModel copies while it holds no average and
-is reset through the lr's warmup epochs (tests/test_ema.py checks it against AveragedModel). ema.adjust reads
-ema.decay as torchvision's recipe does: 1 - (1 - decay) x effective batch x every_steps /
-train.epochs, the same share of the run at any number of processes. It covers the model's
-state dict (integer buffers copied), sharded like the model under FSDP (the fsdp part); `swapped_into_model()`
-exchanges it with the weights in place, exactly, so the same model evaluates either.
+ema = decay x ema + (1 - decay) x weights. Until the first such update after ema.start_step
+(or ema.warmup_epochs) an update copies the weights instead: the arithmetic of torchvision's
+recipe, whose AveragedModel copies while it holds no average and is reset through the lr's
+warmup epochs (tests/test_ema.py checks it against AveragedModel), and whose decay ema.adjust
+gives. It covers the model's state dict (integer buffers copied), sharded like the model under
+FSDP (the fsdp part); `swapped_into_model()` exchanges it with the weights in place, exactly,
+so the same model evaluates either.
 """
 
 import contextlib
@@ -100,9 +99,6 @@ class WeightEMA(Part):
     def after_step(self, state) -> None:
         self.update(state.step)
 
-    def weights(self) -> dict[str, torch.Tensor]:
-        return self.tensors
-
     def after_load(self, state, path, ckpt: dict, resumed: bool) -> None:
         """The checkpoint's average; none saved (the part just turned on), or fine-tuning from its weights: the
         model's weights."""
@@ -117,7 +113,9 @@ class WeightEMA(Part):
     def attach(self, model: nn.Module) -> "WeightEMA":
         """Start the average at `model`'s weights (unwrapped: sharded or not)."""
         self.model = model
-        self.names = list(model.state_dict())  # a tied tensor is there under each of its names
+        self.first, firsts = {}, {}  # each state-dict name's first: a tied tensor is there under each of its names
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            self.first[name] = firsts.setdefault(id(tensor), name)
         with torch.no_grad():
             self.averages = {name: tensor.detach().clone() for name, tensor in self.live().items()}
         self.averaged = [name for name, tensor in self.averages.items() if tensor.is_floating_point()]
@@ -129,22 +127,11 @@ class WeightEMA(Part):
         looked up each time: FSDP registers its sharded parameters again after a forward."""
         found = dict(self.model.named_parameters(remove_duplicate=False))
         found |= dict(self.model.named_buffers(remove_duplicate=False))
-        unique, seen = {}, set()
-        for name in self.names:
-            if id(found[name]) not in seen:
-                seen.add(id(found[name]))
-                unique[name] = found[name]
-        return unique
+        return {name: found[name] for name in self.first.values()}
 
-    @property
-    def tensors(self) -> dict[str, torch.Tensor]:
+    def weights(self) -> dict[str, torch.Tensor]:
         """The average by every state-dict name (what a checkpoint holds)."""
-        found = dict(self.model.named_parameters(remove_duplicate=False))
-        found |= dict(self.model.named_buffers(remove_duplicate=False))
-        first = {}
-        for name in self.names:
-            first.setdefault(id(found[name]), name)
-        return {name: self.averages[first[id(found[name])]] for name in self.names}
+        return {name: self.averages[first] for name, first in self.first.items()}
 
     @torch.no_grad()
     def update(self, step: int) -> None:

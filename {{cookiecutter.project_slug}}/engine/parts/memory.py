@@ -53,9 +53,7 @@ STATM = Path("/proc/self/statm")  # Linux's: this process's memory, in pages
 UNREADABLE = {"rss_mib": f"no {STATM}", "heap_used_mib": "no glibc mallinfo2"}  # figures a system may lack
 
 
-class MallInfo2(ctypes.Structure):
-    """glibc's struct mallinfo2 (glibc 2.33 and later), all fields size_t."""
-
+class MallInfo2(ctypes.Structure):  # glibc's struct mallinfo2
     names = "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks keepcost"
     _fields_ = [(name, ctypes.c_size_t) for name in names.split()]
 
@@ -81,16 +79,12 @@ def memory_snapshot(device: torch.device) -> dict:
     snapshot = {"rss_peak_mib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / per_mib, 1)}
     if STATM.is_file():
         snapshot["rss_mib"] = round(int(STATM.read_text().split()[1]) * resource.getpagesize() / 2**20, 1)
-    snapshot |= c_heap_mib() | {"live_tensors": count_live_tensors()}
+    # Tensors counted by type(): it neither wakes a dead weak proxy nor pokes deprecated torch objects.
+    snapshot |= c_heap_mib() | {"live_tensors": sum(issubclass(type(obj), torch.Tensor) for obj in gc.get_objects())}
     if device.type == "cuda":
         peaks = {"allocated": torch.cuda.max_memory_allocated, "reserved": torch.cuda.max_memory_reserved}
         snapshot |= {f"cuda_{kind}_peak_mib": round(peak(device) / 2**20, 1) for kind, peak in peaks.items()}
     return snapshot
-
-
-def count_live_tensors() -> int:
-    # By type(): it neither wakes a dead weak proxy nor pokes deprecated torch objects.
-    return sum(issubclass(type(obj), torch.Tensor) for obj in gc.get_objects())
 
 
 def imbalance_key(per_rank: list[dict]) -> str:
@@ -145,7 +139,6 @@ def report_memory(device: torch.device, when: str, held: dict | None = None) -> 
     return per_rank
 
 
-EXPECTED_PER_GPU = 1  # select_device gives each process a GPU of its own
 SKIPPED = {
     "no gpu": "GPU memory by process: skipped (no GPU)",
     "no nvml": (
@@ -185,15 +178,16 @@ def gpu_table(host: str, when: str, gpus: list[GpuUsage]) -> str:
     return "\n".join(rows)
 
 
-def extra_process_warnings(host: str, gpus: list[GpuUsage], expected: int = EXPECTED_PER_GPU) -> list[str]:
-    # Counted, not matched to the job's pids: a container's NVML gives the host's.
+def extra_process_warnings(host: str, gpus: list[GpuUsage]) -> list[str]:
+    # Counted, not matched to the job's pids: a container's NVML gives the host's. At most 1: select_device gives
+    # each process a GPU of its own.
     return [
-        f"warning: {host}: {gpu.name} holds {len(gpu.processes)} processes, expected {expected} at most ("
+        f"warning: {host}: {gpu.name} holds {len(gpu.processes)} processes, expected 1 at most ("
         + ", ".join(f"pid {pid} {mib(size)} MiB" for pid, size in gpu.processes)
         + "): another process has memory there, e.g. a rank that loaded a checkpoint without map_location or "
         "used CUDA before set_device, or a leftover of an earlier run; check nvidia-smi, end leftovers"
         for gpu in gpus
-        if len(gpu.processes) > expected
+        if len(gpu.processes) > 1
     ]
 
 

@@ -52,9 +52,6 @@ def build(cfg, env: DistEnv) -> "RunRecord":
 
 
 class RunRecord(Part):
-    """What produced the run in every checkpoint (its state: "states"/"run_record") and atop the
-    saved config, rank 0's lines in output_dir/train.log, and each rank's flight recorder."""
-
     name = "run_record"
 
     def __init__(self, cfg, env: DistEnv):
@@ -64,7 +61,8 @@ class RunRecord(Part):
         self.provenance: dict | None = None
 
     def output_dir_held(self, output_dir: str) -> None:
-        keep_output_in(Path(output_dir) / "train.log")  # rank 0's lines, across resumes
+        record = (Path(output_dir) / "train.log").open("a", encoding="utf-8", buffering=1)  # a line at a time
+        sys.stdout, sys.stderr = AlsoTo(sys.stdout, record), AlsoTo(sys.stderr, record)  # rank 0's, across resumes
         if self.trace_entries:  # NCCL's watchdog writes there (output_dir is shared), but does not make the folder
             self.trace_dir.mkdir(parents=True, exist_ok=True)
 
@@ -75,7 +73,15 @@ class RunRecord(Part):
         return self.provenance  # what produced this checkpoint; a resumed run keeps its own
 
     def config_header(self) -> str:
-        return header(self.provenance)
+        most_hosts = 8  # named; the rest counted
+        launch, hosts = self.provenance["launch"], self.provenance["hosts"]
+        shown = ", ".join(f"{name} {version}" for name, version in self.provenance["versions"].items() if version)
+        more = f" and {len(hosts) - most_hosts} more" if len(hosts) > most_hosts else ""
+        return (
+            f"# produced by {commit_line(self.provenance)}\n# {shown}\n"
+            f"# {launch['world_size']} process(es) on {launch['nodes']} node(s) ({launch['launcher']}): "
+            f"{', '.join(hosts[:most_hosts])}{more}\n"
+        )
 
     def open_log(self, start_step: int) -> None:
         log(f"produced by {commit_line(self.provenance)}")
@@ -85,8 +91,16 @@ class RunRecord(Part):
         return flight_recorder_env(os.environ, self.trace_entries, self.trace_dir)
 
     def lost_peer(self, error: BaseException) -> None:
-        dump_flight_recorder()
-        if (trace := flight_recorder_file()) is not None and trace.exists():
+        prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE", os.environ.get(OLDER_NAMES["TORCH_FR_DUMP_TEMP_FILE"]))
+        if not prefix:
+            return
+        trace = Path(f"{prefix}{get_rank()}")
+        dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)  # no public API yet
+        if dump is not None and not trace.exists():  # unless NCCL's watchdog has; before leaving the groups it names
+            with contextlib.suppress(OSError):
+                trace.parent.mkdir(parents=True, exist_ok=True)
+                trace.write_bytes(dump())
+        if trace.exists():
             error.add_note(f"Its last collectives: {trace}.")
 
 
@@ -179,22 +193,6 @@ def commit_line(provenance: dict) -> str:
     return f"commit {state['commit'][:12]}{' (uncommitted changes)' if state['dirty'] else ''}"
 
 
-def header(provenance: dict, most_hosts: int = 8) -> str:
-    launch, hosts = provenance["launch"], provenance["hosts"]
-    shown = ", ".join(f"{name} {version}" for name, version in provenance["versions"].items() if version)
-    more = f" and {len(hosts) - most_hosts} more" if len(hosts) > most_hosts else ""
-    return (
-        f"# produced by {commit_line(provenance)}\n# {shown}\n"
-        f"# {launch['world_size']} process(es) on {launch['nodes']} node(s) ({launch['launcher']}): "
-        f"{', '.join(hosts[:most_hosts])}{more}\n"
-    )
-
-
-def keep_output_in(path: Path) -> None:
-    record = path.open("a", encoding="utf-8", buffering=1)  # a line at a time
-    sys.stdout, sys.stderr = AlsoTo(sys.stdout, record), AlsoTo(sys.stderr, record)
-
-
 class AlsoTo:
     """A stream also writing to a record file, bar frames aside; a failed write (full disk) ends the record."""
 
@@ -217,10 +215,7 @@ class AlsoTo:
                 self.stream.write(f"warning: {self.record.name} records no more of this run: {why}\n")
         return self.stream.write(text)
 
-    def flush(self) -> None:
-        self.stream.flush()
-
-    def __getattr__(self, name: str):  # isatty, fileno, encoding: the terminal's
+    def __getattr__(self, name: str):  # flush, isatty, fileno, encoding: the terminal's (the record is line-buffered)
         return getattr(self.stream, name)
 
 
@@ -245,19 +240,3 @@ def check_gloo_address(hostname: str, spans_hosts: bool, environ: Mapping[str, s
             "set GLOO_SOCKET_IFNAME to the interface between the nodes (e.g. GLOO_SOCKET_IFNAME=eth0 or ib0; "
             "`ip -br addr` lists them)"
         )
-
-
-def flight_recorder_file() -> Path | None:
-    prefix = os.environ.get("TORCH_FR_DUMP_TEMP_FILE", os.environ.get(OLDER_NAMES["TORCH_FR_DUMP_TEMP_FILE"]))
-    return Path(f"{prefix}{get_rank()}") if prefix else None
-
-
-def dump_flight_recorder() -> None:
-    """Write this rank's flight recorder unless NCCL's watchdog has; before leaving the groups it names."""
-    path = flight_recorder_file()
-    dump = getattr(torch._C._distributed_c10d, "_dump_fr_trace", None)  # no public API yet
-    if path is None or dump is None or path.exists():
-        return
-    with contextlib.suppress(OSError):
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(dump())

@@ -59,9 +59,6 @@ def peak_flops(configured_tflops: float, device_name: str | None, precision: str
 
 
 class Throughput(Part):
-    """The task's items per second (count_items), the model FLOPs of the first micro-batch for
-    the MFU, and the median step time, in each row of train figures."""
-
     name = "throughput"
     measures_steps = True
 
@@ -70,8 +67,7 @@ class Throughput(Part):
         self.configured = configured  # (throughput.peak_tflops, train.precision): the peak once the device is known
         self.unit = self.flops_per_micro_batch = None
         self.items = torch.zeros((), dtype=torch.float64)  # counts given as tensors
-        self.host_items = 0.0  # counts given as numbers: copying each to the device would sync the host
-        self.step_ends = [time.perf_counter()]  # host clock at each optimizer step: no device sync needed
+        self.reset_figures()
 
     def setup(self, state) -> None:
         self.items = self.items.to(state.device)
@@ -89,8 +85,9 @@ class Throughput(Part):
         self.step_ends.append(time.perf_counter())
 
     def reset_figures(self) -> None:
-        self.reset()
-        self.step_ends = [time.perf_counter()]
+        self.items.zero_()
+        self.host_items = 0.0  # counts given as numbers: copying each to the device would sync the host
+        self.step_ends = [time.perf_counter()]  # host clock at each optimizer step: no device sync needed
 
     def log_epoch(self, row: dict) -> None:
         """On rank 0, after the row's own line: the speed in the task's unit, and the MFU if measured."""
@@ -100,10 +97,13 @@ class Throughput(Part):
             log(f"epoch {row['epoch']} speed: {', '.join(speed)}")
 
     def train_figures(self, micro_batches: int, elapsed: float) -> dict:
-        items = all_reduce(self.total_items()).item()  # every rank's
+        items = all_reduce(self.items + self.host_items).item()  # every rank's
+        figures = {} if self.unit is None else {f"{self.unit}_per_s": items / max(elapsed, 1e-9)}
+        if self.flops_per_micro_batch is not None:
+            achieved = self.flops_per_micro_batch * micro_batches / max(elapsed, 1e-9)
+            figures |= {"model_tflops_per_s": achieved / 1e12, "mfu": achieved / self.peak}
         step_times = [b - a for a, b in itertools.pairwise(self.step_ends)]
-        median = statistics.median(step_times) if step_times else 0.0
-        return {**self.figures(items, micro_batches, elapsed), "step_time_median_s": median}
+        return figures | {"step_time_median_s": statistics.median(step_times) if step_times else 0.0}
 
     @contextlib.contextmanager
     def counting_flops(self):
@@ -131,17 +131,3 @@ class Throughput(Part):
                 )
             self.items += count.to(torch.float64).reshape(())
         self.unit = unit
-
-    def total_items(self) -> torch.Tensor:
-        return self.items + self.host_items
-
-    def reset(self) -> None:
-        self.items.zero_()
-        self.host_items = 0.0
-
-    def figures(self, items_total: float, micro_batches: int, elapsed: float) -> dict:
-        figures = {} if self.unit is None else {f"{self.unit}_per_s": items_total / max(elapsed, 1e-9)}
-        if self.flops_per_micro_batch is not None:
-            achieved = self.flops_per_micro_batch * micro_batches / max(elapsed, 1e-9)
-            figures |= {"model_tflops_per_s": achieved / 1e12, "mfu": achieved / self.peak}
-        return figures

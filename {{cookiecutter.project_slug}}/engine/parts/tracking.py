@@ -79,9 +79,9 @@ class Tracking(Part):
 
 def epoch_scalars(row: dict) -> dict:
     """train_x as train/epoch_x, val_x as val/x, ema_val_x as val_ema/x; memory: rank 0's and the max."""
-    scalars = {"throughput/samples_per_s": row["samples_per_s"]}
+    scalars = {}
     for key, value in row.items():
-        if key.endswith("_per_s") or key == "mfu":  # the task's items, model FLOPs (the throughput part)
+        if key.endswith("_per_s") or key == "mfu":  # samples, and the throughput part's items and model FLOPs
             scalars[f"throughput/{key}"] = value
         if key.startswith("train_") and key != "train_time_s":
             scalars[f"train/epoch_{key.removeprefix('train_')}"] = value

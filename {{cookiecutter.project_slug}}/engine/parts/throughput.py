@@ -91,7 +91,8 @@ class Throughput(Part):
 
     def log_epoch(self, row: dict) -> None:
         """On rank 0, after the row's own line: the speed in the task's unit, and the MFU if measured."""
-        speed = [f"{row[key]:,.0f} {key.removesuffix('_per_s')}/s" for key in row if key == f"{self.unit}_per_s"]
+        per_s = row.get(f"{self.unit}_per_s")  # absent while the task counts no items
+        speed = [] if per_s is None else [f"{per_s:,.0f} {self.unit}/s"]
         speed += [f"MFU {row['mfu']:.1%}"] if "mfu" in row else []
         if speed:
             log(f"epoch {row['epoch']} speed: {', '.join(speed)}")

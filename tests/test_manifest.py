@@ -39,7 +39,9 @@ def references(path: str) -> re.Pattern | None:
     name or, beside it (tests/), by its own; a docs page linked to."""
     name = path.rsplit("/", 1)[-1]
     if path.endswith(".py"):
-        modules = "|".join(re.escape(m) for m in {path.removesuffix(".py").replace("/", "."), name.removesuffix(".py")})
+        beside_tests = path.startswith("tests/") and path.count("/") == 1
+        dotted = {path.removesuffix(".py").replace("/", "."), *([name.removesuffix(".py")] if beside_tests else [])}
+        modules = "|".join(re.escape(m) for m in dotted)
         return re.compile(rf"^\s*(from|import) ({modules})\b", re.MULTILINE)
     if path.endswith(".md"):
         return re.compile(rf"\]\(([\w./-]*/)?{re.escape(name)}[)#]")

@@ -25,6 +25,7 @@ MENTIONS = {
     "launcher": r"engine\.launch",  # a section of launch.md, no page of its own
     "sweep": r"sweep\.py|\bsweeps?\b",  # a section of outputs.md
     "fsdp": r"\bfsdp|sharded",
+    "streams": r"\bstream(s|ing)?\b|IterableDataset",
 }
 PAGES = {
     answer: {Path(path).name for path in OWNED_FILES[answer] if path.startswith("docs/")} for answer in PART_ANSWERS

@@ -120,7 +120,7 @@ def load_train_objs(cfg, env, device, checkpointer: Checkpointer, parts: list, v
     # data.py may define collate_fn; workers leave the launcher's stop signals to their rank.
     hooks = {"collate_fn": getattr(data, "collate_fn", None), "worker_init_fn": leave_stop_signals_to_the_rank}
     train_order = getattr(data, "train_order", None)  # the epoch's sample order, if data.py has its own
-    train_loader = build_train_loader(train_set, cfg, env, device, vote_group, **hooks, train_order=train_order)
+    train_loader = build_train_loader(train_set, cfg, env, device, parts, vote_group, **hooks, train_order=train_order)
     val_loader = build_val_loader(val_set, cfg, env, device, **hooks)
     steps = steps_per_epoch(train_loader, cfg)
 

@@ -37,7 +37,7 @@ from engine.files import write_text_whole
 @dataclass
 class TrainConfig:
     epochs: int = 10  # the run's length, unless max_steps is set
-    max_steps: int = 0  # the run's length in optimizer steps instead of epochs (a stream needs it); 0 = epochs
+    max_steps: int = 0  # the run's length in optimizer steps instead of epochs; 0 = epochs
     batch_size: int = 64  # per process; effective = batch_size x processes x accum_steps
     accum_steps: int = 1  # gradient accumulation: micro-batches per optimizer step
     grad_clip: float = 5.0  # max gradient norm: a guard against rare spikes, not a limit on normal steps; 0 = off

@@ -29,6 +29,7 @@ class Part:
     def output_dir_held(self, output_dir: str) -> None: ...  # on rank 0, once this run holds it, before writing there
     def build_model(self, build, cfg, env, device, blocks) -> nn.Module | None: ...  # built, placed and wrapped
     def prepare_model(self, model: nn.Module) -> nn.Module | None: ...  # as the task built it, before it is moved
+    def train_loader(self, dataset, device, hooks: dict, vote_group): ...  # a loader, if the part reads its kind
     def joins_later(self, model, steps_per_epoch) -> dict[str, int] | None: ...  # {name: step} held back until then
     def before_load(self, state, trained_epoch: int) -> None: ...  # before a checkpoint of that epoch loads
     def after_load(self, state, path, ckpt: dict, resumed: bool) -> None: ...  # after the model's (else init_from's)

@@ -5,31 +5,23 @@ every world_size-th index, so step s sees the same samples at any world size wit
 effective batch. Whole optimizer steps only: an epoch's tail short of one is left out.
 Evaluation: fixed batches in dataset order, dealt whole to ranks: every sample once, no
 padding, the same batches on any number of processes. A batch may be any nesting of
-tensors in lists, tuples, dicts, namedtuples and dataclasses (`move_to_device`).
-
-A stream (an IterableDataset, docs/streaming.md) is read in world_size x num_workers parts:
-reader k of n takes every n-th sample from the k-th, or the stream's own `split(k, n)`.
-Before each step the ranks vote to go on only if all have the step's micro-batches, so the
-epoch ends for all at once, never with one rank waiting at a collective. A resumed run
-skips the micro-batches its checkpoint trained; each reader's RNG is its own.
+tensors in lists, tuples, dicts, namedtuples and dataclasses (`move_to_device`). A part may
+read a training set of its own kind (a stream: engine/parts/streams.py).
 """
 
 import collections
 import contextlib
 import dataclasses
 import inspect
-import itertools
 import numbers
 from collections.abc import Callable, Mapping
 
 import torch
-import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler, get_worker_info
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, Sampler
 
 from engine.config import Config, effective_batch
-from engine.distributed import DistEnv, agreed, all_gather_objects, get_world_size, is_main, vote
+from engine.distributed import DistEnv, agreed, all_gather_objects
 from engine.errors import UsageError
-from engine.logs import log
 from engine.seeding import borrowed_rng, derive_seed, sample_seeds
 
 
@@ -174,29 +166,24 @@ def micro_batches_per_epoch(dataset_size: int, cfg: Config, env: DistEnv) -> int
 
 
 def steps_per_epoch(train_loader: DataLoader, cfg: Config) -> int | None:
-    """Optimizer steps per epoch; None for a stream, whose length shows only at its end."""
-    return None if isinstance(train_loader, StreamLoader) else train_loader.sampler.num_batches // cfg.train.accum_steps
+    """Optimizer steps per epoch; None for a part's loader (a stream's length shows only at its end)."""
+    sampler = train_loader.sampler
+    return sampler.num_batches // cfg.train.accum_steps if isinstance(sampler, TrainSampler) else None
 
 
 def build_train_loader(
-    dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device, vote_group=None, **hooks
+    dataset: Dataset, cfg: Config, env: DistEnv, device: torch.device, parts=(), vote_group=None, **hooks
 ) -> DataLoader:
-    """`hooks`: collate_fn, worker_init_fn and train_order (data.py's); a stream's ranks vote
-    on `vote_group`."""
+    """`hooks`: collate_fn, worker_init_fn and train_order (data.py's). A part may read the
+    dataset instead (a stream, whose ranks vote on `vote_group`)."""
+    for part in parts:
+        if (loader := part.train_loader(dataset, device, hooks, vote_group)) is not None:
+            return loader
     if isinstance(dataset, IterableDataset):
-        if not cfg.train.max_steps:
-            raise UsageError(
-                "the training set is a stream (an IterableDataset), which has no length to count epochs in; "
-                "set train.max_steps, the run's length in optimizer steps"
-            )
-        if hooks.get("train_order"):
-            raise UsageError("data.py's train_order orders a training set with a length; a stream orders itself")
-        stream = StreamParts(dataset, env.rank, env.world_size, cfg.seed)
-        loader = make_loader(stream, cfg, device, hooks, batch_size=cfg.train.batch_size, drop_last=True)
-        loader.accum_steps = cfg.train.accum_steps
-        if get_world_size() > 1:  # without the run's group (a script of the user's): one of its own
-            loader.group = vote_group if vote_group is not None else dist.new_group(backend="gloo")
-        return loader
+        raise UsageError(
+            "the training set is a stream (an IterableDataset), which this project, generated without the streams "
+            "part, cannot read: return a map-style Dataset (len() and indexing), or generate with streams=yes"
+        )
     order = hooks.get("train_order")
     sampler = TrainSampler(dataset, env, cfg.seed, cfg.train.batch_size, order=order and with_settings(order, cfg))
     sampler.num_batches = micro_batches_per_epoch(sampler.epoch_samples, cfg, env)
@@ -238,8 +225,8 @@ class RankDataLoader(DataLoader, contextlib.AbstractContextManager):
 
     @property
     def data_set(self):
-        """The dataset data.py built, inside the wrapper that seeds or splits it."""
-        return self.dataset.stream if isinstance(self.dataset, StreamParts) else self.dataset.dataset
+        """The dataset data.py built, inside the wrapper that seeds it."""
+        return self.dataset.dataset
 
     def __iter__(self):
         try:
@@ -258,70 +245,15 @@ class RankDataLoader(DataLoader, contextlib.AbstractContextManager):
             iterator._shutdown_workers()
 
 
-class StreamLoader(RankDataLoader):
-    """A stream's micro-batches in whole optimizer steps, as many on every rank. The votes go
-    on `group` (gloo), bounded by dist.step_timeout_minutes after the first step."""
-
-    accum_steps, group = 1, None  # build_train_loader's
-    start_batch, batches, told = 0, None, False
-
-    def set_epoch(self, epoch: int, start_batch: int = 0) -> None:
-        self.dataset.set_epoch(epoch)
-        self.start_batch = start_batch
-        self.generator.manual_seed(derive_seed(self.dataset.seed, self.dataset.rank, epoch))  # workers' own seeds
-
-    def __iter__(self):
-        self.batches = self.whole_steps(super().__iter__(), self.dataset.epoch, self.start_batch)
-        return self.batches
-
-    def close(self) -> None:
-        if self.batches is not None:  # its workers end with it
-            self.batches.close()
-        super().close()
-
-    def whole_steps(self, batches, epoch: int, skip: int):
-        for _ in range(skip):  # trained before the checkpoint this run resumed from
-            next(batches, None)
-        for steps in itertools.count():  # whole steps given so far
-            step = list(itertools.islice(batches, self.accum_steps))
-            if not vote([float(len(step) == self.accum_steps)], "min", self.group)[0]:  # every rank has the step
-                self.end_epoch(epoch, steps + skip // self.accum_steps, len(step) + sum(1 for _ in batches))
-                return
-            yield from step
-
-    def end_epoch(self, epoch: int, steps: int, left: int) -> None:
-        """Say how long the epoch was and, once, what ranks had beyond the shortest share."""
-        left_over = all_gather_objects(left)
-        if steps == 0:
-            raise UsageError(
-                f"the training stream gave a rank no whole optimizer step in epoch {epoch} (micro-batches per rank: "
-                f"{left_over}); give it more samples, or lower train.batch_size or train.accum_steps"
-            )
-        if not is_main():
-            return
-        line = f"epoch {epoch} of the stream: {steps} steps on every rank"
-        if any(left_over) and not self.told:
-            self.told = True
-            per_rank = ", ".join(f"{n} on rank {rank}" for rank, n in enumerate(left_over))
-            line += (
-                f", as many as the shortest share has; micro-batches left out: {per_rank} (and each DataLoader "
-                "worker's last partial batch); a stream split into more, evener parts loses less"
-            )
-        log(line)
-
-
-def make_loader(dataset, cfg: Config, device: torch.device, hooks: dict, **sampling) -> DataLoader:
-    """`sampling`: sampler and batch_size, a batch_sampler, or (a stream) batch_size and drop_last."""
-    workers, stream = cfg.train.num_workers, isinstance(dataset, StreamParts)
-    return (StreamLoader if stream else RankDataLoader)(
+def make_loader(dataset, cfg: Config, device: torch.device, hooks: dict, loader=RankDataLoader, **sampling):
+    """`sampling`: sampler and batch_size, or a batch_sampler (a part's `loader` may take others)."""
+    workers = cfg.train.num_workers
+    return loader(
         dataset,
-        **sampling,
+        **{"persistent_workers": workers > 0, **sampling},  # no worker start-up cost at every epoch
         collate_fn=hooks.get("collate_fn"),  # None: torch's default_collate
         num_workers=workers,
         pin_memory=device.type == "cuda",  # pinned host memory only helps copies to a GPU
-        # No worker start-up cost at every epoch; but a stream's workers start anew, with
-        # the epoch it is set to.
-        persistent_workers=workers > 0 and not stream,
         worker_init_fn=hooks.get("worker_init_fn"),
         # Its own generator: creating an iterator must not draw from the global RNG, or
         # a resumed run's dropout would diverge from the uninterrupted run's.
@@ -356,33 +288,3 @@ def move_to_device(batch, device: torch.device, memory_format=torch.preserve_for
         return leaf.to(device)
 
     return map_leaves(batch, move, lambda value: callable(getattr(value, "to", None)))
-
-
-class StreamParts(IterableDataset):
-    """This rank's share of a stream; in a DataLoader worker, that worker's part of it."""
-
-    def __init__(self, stream: IterableDataset, rank: int, world_size: int, seed: int):
-        self.stream, self.rank, self.world_size, self.seed = stream, rank, world_size, seed
-        self.epoch = 0
-
-    def set_epoch(self, epoch: int) -> None:
-        self.epoch = epoch
-        if callable(getattr(self.stream, "set_epoch", None)):
-            self.stream.set_epoch(epoch)
-
-    def __iter__(self):
-        worker = get_worker_info()
-        workers, worker_id = (worker.num_workers, worker.id) if worker else (1, 0)
-        part, parts = self.rank * workers + worker_id, self.world_size * workers
-        split = getattr(self.stream, "split", None)
-        samples = iter(split(part, parts)) if callable(split) else itertools.islice(self.stream, part, None, parts)
-        rng = torch.Generator().manual_seed(derive_seed(self.seed, self.epoch, part)).get_state()
-        while True:
-            # The reader's own RNG: with num_workers=0 the training's (dropout) is around it.
-            with borrowed_rng(cpu_generator_only=True) as generator:
-                generator.set_state(rng)
-                sample = next(samples, StopIteration)
-                rng = generator.get_state()
-            if sample is StopIteration:
-                return
-            yield sample

@@ -22,7 +22,7 @@ from conftest import (
 )
 from engine.distributed import DistEnv
 from engine.errors import UsageError
-from engine.loader import TrainSampler
+from engine.loader import TrainSampler, build_train_loader
 from engine.training import beyond_a_plain_loop
 
 STEPS_PER_EPOCH = 256 // (16 * 2)
@@ -119,6 +119,19 @@ def test_a_sampler_of_your_own_is_dealt_out_in_whole_steps_with_a_seed_per_repea
         assert [index for _, index in mine] == order[rank::world_size][: len(mine)]
     seeds = [seed for mine in drawn for seed, _ in mine]
     assert len(set(seeds)) == len(seeds)  # each repeat of a sample augmented differently
+
+
+def test_a_stream_that_no_part_reads_is_refused_in_one_line():
+    """A project generated without the streams part (or a part list without it) has no
+    reader for an IterableDataset: the run says so before building anything."""
+
+    class Stream(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            yield from range(10)
+
+    cfg = project_config(None, ["train.max_steps=5"])
+    with pytest.raises(UsageError, match=r"^the training set is a stream \(an IterableDataset\), which this project"):
+        build_train_loader(Stream(), cfg, DistEnv(), torch.device("cpu"), parts=())
 
 
 def test_a_sampler_that_changes_its_length_or_leaves_the_data_is_refused_in_one_line():

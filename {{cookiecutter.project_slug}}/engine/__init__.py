@@ -1,10 +1,7 @@
 """The machinery for any task: distributed setup, data loading, the loops' parts,
 checkpoints, logging and fault handling. A task needs not open it: it lives in model.py
 (model, loss, metrics), data.py (datasets, batches), recipe.py (optimizer, schedule),
-config.yaml (settings) and train.py (the order of things), which import from here, e.g.
-
-    from engine import ConfigError, Mean, check_positive
-"""
+config.yaml (settings) and train.py (the order of things), which import from here."""
 
 from engine.config import check_at_most, check_choice, check_positive, effective_batch
 from engine.errors import ConfigError, TaskError, UsageError

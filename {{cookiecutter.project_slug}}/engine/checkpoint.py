@@ -211,10 +211,9 @@ def not_ours(path: Path, detail: str) -> UnusableCheckpoint:
 
 def load_model_state(path: str | Path) -> tuple[dict, dict]:
     """A checkpoint's whole model weights and the config that built them."""
-    if Path(path).is_dir():
-        config = load_checkpoint(path, tensors=False)["config"]
-        return strip_prefixes(folders(Path(path)).load_full(Path(path), keys={"model"})["model"]), config
-    ckpt = load_checkpoint(path)
+    ckpt = load_checkpoint(path, tensors=False)  # a file's weights come with it
+    if "model" not in ckpt:  # a folder's are read whole
+        ckpt |= folders(Path(path)).load_full(Path(path), keys={"model"})
     return strip_prefixes(ckpt["model"]), ckpt["config"]
 
 
@@ -486,8 +485,7 @@ def load_resume_checkpoint(cfg: Config) -> tuple[Path, dict] | None:
     if cfg.checkpoint.resume == "none":
         return None
     if cfg.checkpoint.resume != "auto":
-        path = Path(cfg.checkpoint.resume)
-        return path, load_checkpoint(path, tensors=False)
+        return Path(cfg.checkpoint.resume), load_checkpoint(cfg.checkpoint.resume, tensors=False)
     directory = checkpoint_dir(cfg.output_dir)
     last = directory / "last.pt"
     target = os.readlink(last) if last.is_symlink() else None  # train.py links only to a step-*.dcp folder beside it

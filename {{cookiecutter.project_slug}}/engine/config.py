@@ -1,17 +1,8 @@
-"""The run configuration: one typed schema, each default written once, beside its meaning.
-
-Its sections are dataclasses: `train`, `checkpoint` and `dist` here, the project's `data`,
-`model` and `optim` (data.py, model.py, recipe.py) and each part's (engine/parts).
-config.yaml holds what differs from the defaults; `section.key=value` overrides follow,
-each key once. Both read a value as YAML 1.2's core schema does (010 is 10, 0o10 is 8,
-1:00 and yes are text). An unknown key or a wrong value is a ConfigError naming the key.
-`python train.py --print-config` shows every key with its value and meaning, as each run
-saves them in output_dir/config.yaml.
-
-A field's type is bool, int, float, str, list[T], tuple[T, ...], tuple[T1, T2], T | None,
-Literal["a", "b"] or a dataclass (a sub-section: `model.head.x=1`). On the command line a
-list or a section is written as in YAML: `model.widths=[32,64]`.
-"""
+"""The run configuration (docs/config.md): one typed schema, each default written once,
+beside its meaning. Its sections are dataclasses: `train`, `checkpoint` and `dist` here, the
+project's `data`, `model` and `optim` (data.py, model.py, recipe.py) and each part's
+(engine/parts). config.yaml holds what differs from the defaults, `section.key=value`
+overrides follow; both read a value as YAML 1.2's core schema does."""
 
 import contextlib
 import copy
@@ -228,9 +219,7 @@ def unknown_key_message(key: str, known: list[str], moved: dict) -> str:
 def without_retired_keys(values: dict | None, sections: dict[str, type], moved: dict) -> dict:
     """A checkpoint's stored config without what this project's schema no longer has: keys
     of the machinery's sections (e.g. train.lr, now optim.lr), the sections of parts it was
-    generated without, and keys a part moved out of a section (their values are its own now).
-    The project's own sections (data, model, optim) stay as stored otherwise. A copy: the
-    overrides go into it."""
+    generated without, and keys a part moved out of a section. A copy: the overrides go into it."""
     schema = sections | field_types(Config)
     kept = {name: copy.deepcopy(value) for name, value in (values or {}).items() if name in schema}
     for name, value in kept.items():

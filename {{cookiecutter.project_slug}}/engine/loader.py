@@ -2,11 +2,7 @@
 
 Training: one permutation per epoch (DistributedSampler, seeded, `set_epoch`), rank r taking
 every world_size-th index, so step s sees the same samples at any world size with the same
-effective batch. Whole optimizer steps only: an epoch's tail short of one is left out.
-Evaluation: fixed batches in dataset order, dealt whole to ranks: every sample once, no
-padding, the same batches on any number of processes. A batch may be any nesting of
-tensors in lists, tuples, dicts, namedtuples and dataclasses (`move_to_device`). A part may
-read a training set of its own kind (a stream: engine/parts/streams.py).
+effective batch. Evaluation: fixed batches in dataset order, dealt whole to ranks (EvalBatches).
 """
 
 import collections
@@ -28,8 +24,7 @@ from engine.seeding import borrowed_rng, derive_seed, sample_seeds
 class TrainSampler(DistributedSampler):
     """DistributedSampler drawing exactly `num_batches` batches, from `start_batch` on, as
     (sample seed, index): the seed depends on (seed, epoch, index) only. `order`: data.py's
-    `train_order`, the epoch's indices over all ranks in place of the permutation (the n-th
-    repeat of an index seeded as index + n x size)."""
+    `train_order`, the epoch's indices over all ranks in place of the permutation."""
 
     def __init__(self, dataset, env: DistEnv, seed: int, batch_size: int, num_batches=0, order: Callable | None = None):
         super().__init__(dataset, env.world_size, env.rank, shuffle=True, seed=seed, drop_last=True)

@@ -168,10 +168,9 @@ def evaluate(model: nn.Module, loader, validation_step, metrics, device, precisi
 def compute_metrics(metrics: dict, plan, num_batches: int, device: torch.device) -> dict:
     """Every metric's result over the first `num_batches` batches of `plan`. Every rank must call this."""
     sums = {name: m for name, m in metrics.items() if isinstance(m, Sum)}
-    results = sum_in_batch_order(sums, plan, num_batches, device) if sums else {}
     gathered = {name: m for name, m in metrics.items() if isinstance(m, Gathered)}
-    if gathered:
-        results |= compute_gathered(gathered, num_batches)
+    results = sum_in_batch_order(sums, plan, num_batches, device) if sums else {}
+    results |= compute_gathered(gathered, num_batches) if gathered else {}
     flat = {}
     for name, value in results.items():  # a dict result gives "val_<key>" for each key
         for key, number in value.items() if isinstance(value, dict) else [(name, value)]:

@@ -19,10 +19,9 @@ def use_sync_batchnorm(requested: bool, device: torch.device, world_size: int) -
 
 
 def build_and_wrap(build, cfg: Config, env: DistEnv, device: torch.device, blocks, parts=()):
-    """The model from `build()` (the task's build_model) ready to train, as (model,
-    train_model): the module to save and evaluate, and the one to train (the same for one
-    process). SyncBatchNorm, activation checkpointing, the move to the device, then DDP, in
-    that order: the wrapper must see the final modules on their device; or as a part builds it."""
+    """The model from `build()` (the task's build_model) as (the module to save and evaluate,
+    the one to train): as a part builds it, else its modules changed, moved to the device, then
+    wrapped, in that order (the wrapper must see the final modules on their device)."""
     if (model := built_by_part(build, cfg, env, device, blocks, parts)) is not None:
         return model, torch.compile(model) if cfg.train.compile else model
     model = prepare_modules(build(), cfg, env, device, blocks).to(device, memory_format=memory_format(cfg))

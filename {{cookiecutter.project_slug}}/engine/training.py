@@ -30,9 +30,7 @@ def check_precision(cfg: Config, device: torch.device) -> None:
 
 
 def autocast(precision: str, device: torch.device):
-    if precision == "fp32":
-        return NO_OP
-    return torch.autocast(device.type, dtype=AMP_DTYPES[precision])
+    return NO_OP if precision == "fp32" else torch.autocast(device.type, dtype=AMP_DTYPES[precision])
 
 
 def build_grad_scaler(precision: str, device: torch.device) -> torch.amp.GradScaler:
@@ -45,14 +43,10 @@ MIN_FP16_SCALE = 2.0**-10  # 26 halvings below GradScaler's initial 2**16
 
 class NonFiniteGuard:
     """Stops a run whose gradients became NaN or infinite, with its last good checkpoint
-    intact, instead of saving non-finite weights as progress.
-
-    Each step's gradient norm (the same on every rank: gradients are all-reduced first)
-    stays on the device, where the first bad step is kept (a few element-wise ops a step).
-    `check_later` reads it one interval late, so nothing waits for the device;
-    `check`, before every checkpoint, reads it at once. With fp16 the GradScaler skips bad
-    steps itself: such a run diverged only when its scale collapsed.
-    """
+    intact, instead of saving non-finite weights as progress. Each step's gradient norm (the
+    same on every rank: gradients are all-reduced first) stays on the device, where the first
+    bad step is kept. With fp16 the GradScaler skips bad steps itself: such a run diverged
+    only when its scale collapsed."""
 
     def __init__(self, train: TrainConfig, last_good: Callable[[], str], lr: float, device: torch.device):
         self.max_bad_steps, self.last_good, self.lr = train.max_bad_steps, last_good, lr
@@ -349,10 +343,7 @@ class EpochStats:
 
     def add(self, losses: dict[str, torch.Tensor]) -> None:
         for name, loss in losses.items():
-            if name in self.loss_sums:
-                self.loss_sums[name] += loss
-            else:
-                self.loss_sums[name] = loss.float().clone()
+            self.loss_sums[name] = self.loss_sums.get(name, 0) + loss.float()
         self.micro_batches += 1
 
     def summary(self, batch_size: int) -> dict:

@@ -211,8 +211,8 @@ def not_ours(path: Path, detail: str) -> UnusableCheckpoint:
 
 def load_model_state(path: str | Path) -> tuple[dict, dict]:
     """A checkpoint's whole model weights and the config that built them."""
-    ckpt = load_checkpoint(path, tensors=False)  # a file's weights come with it
-    if "model" not in ckpt:  # a folder's are read whole
+    ckpt = load_checkpoint(path, tensors=False)  # a file whole; a folder's run state only
+    if Path(path).is_dir():  # its weights read whole from the shards, whatever its run state holds
         ckpt |= folders(Path(path)).load_full(Path(path), keys={"model"})
     return strip_prefixes(ckpt["model"]), ckpt["config"]
 

@@ -17,6 +17,10 @@ MANIFEST = json.loads((TEMPLATE / "manifest.json").read_text())
 OWNED_FILES = {**MANIFEST["parts"], **MANIFEST["extras"]}
 PART_ANSWERS = tuple(MANIFEST["parts"])
 WITHOUT_PARTS = dict.fromkeys(PART_ANSWERS, "no")
+EVERY_PART = dict.fromkeys(PART_ANSWERS, "yes")  # the default answers leave some parts out (fsdp)
+# The bakes whose whole suites the template runs (test_generated_project.py): every part, and
+# none with the second task.
+WHOLE_SUITES = {"every part": EVERY_PART, "without parts": {**WITHOUT_PARTS, "task": CHOICES["task"][1]}}
 BIN = Path(sys.executable).parent  # this environment's python, ruff, pytest, cruft, pre-commit
 TOOLS_ENV = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}"}  # them first on PATH
 

@@ -9,7 +9,7 @@ import sys
 import tomllib
 
 import pytest
-from conftest import BIN, CHOICES, OWNED_FILES, PART_ANSWERS, TEMPLATE, WITHOUT_PARTS, bake
+from conftest import BIN, CHOICES, EVERY_PART, OWNED_FILES, PART_ANSWERS, TEMPLATE, WITHOUT_PARTS, bake
 from cookiecutter.exceptions import FailedHookException
 
 # The top of a baked project: what the user edits, and one package of machinery.
@@ -217,14 +217,13 @@ PART_WORDS = {
 }
 
 
-def test_every_part_is_on_by_default_so_the_default_bake_has_every_part():
-    """The template's tests bake the default (every part), and every part answered no."""
-    assert set(PART_ANSWERS) == {key for key in CHOICES if CHOICES[key] is True} - {
-        "ci_workflow",
-        "slurm_script",
-        "tensorboard",
-    }
-    assert all(CHOICES[answer] is True for answer in PART_ANSWERS)
+def test_every_part_is_a_yes_no_answer_so_the_whole_suites_bake_each_on_and_off():
+    """The template's tests bake every part (EVERY_PART) and none (WITHOUT_PARTS); the
+    defaults leave FSDP out."""
+    yes_no = {key for key, value in CHOICES.items() if isinstance(value, bool)}
+    extras = set(OWNED_FILES) - set(PART_ANSWERS)
+    assert set(PART_ANSWERS) == yes_no - extras
+    assert [answer for answer in PART_ANSWERS if not CHOICES[answer]] == ["fsdp"]
 
 
 def print_config_keys(project) -> set[str]:
@@ -243,7 +242,7 @@ def print_config_keys(project) -> set[str]:
 
 
 def test_a_part_answered_no_leaves_no_file_config_key_or_line_of_text(tmp_path):
-    full, bare = bake(tmp_path / "full"), bake(tmp_path / "bare", **WITHOUT_PARTS)
+    full, bare = bake(tmp_path / "full", **EVERY_PART), bake(tmp_path / "bare", **WITHOUT_PARTS)
     full_files, bare_files = ({str(p.relative_to(root)) for p in rendered_files(root)} for root in (full, bare))
     gone = full_files - bare_files
     assert bare_files <= full_files and gone == {path for part in PART_ANSWERS for path in OWNED_FILES[part]}
@@ -253,7 +252,7 @@ def test_a_part_answered_no_leaves_no_file_config_key_or_line_of_text(tmp_path):
     # Every part's settings are its own section, named like its module.
     modules = [path for part in PART_ANSWERS for path in OWNED_FILES[part] if path.startswith("engine/parts/")]
     part_sections = tuple(f"{path.removeprefix('engine/parts/').removesuffix('.py')}." for path in modules)
-    assert {key for key in full_keys if key.startswith(part_sections)}  # the default bake has them
+    assert {key for key in full_keys if key.startswith(part_sections)}  # the bake with every part has them
     assert bare_keys == {key for key in full_keys if not key.startswith(part_sections)}
 
     for path in (bare / "config.yaml", bare / "pyproject.toml"):

@@ -1,18 +1,19 @@
 """The generated project's own CI steps, run inside a freshly baked project: its lint,
 read from its .github/workflows/ci.yml, and its whole test suite (both tiers), in parts.
-The default bake runs it all; the bake without parts (with the second task) runs its task's
-tests, and the machinery's tests of every file from which a "no" removed a part's code
-(WITHOUT_PARTS_RUNS): its other files are the default bake's (checked below). Each other
-task's project lints and passes its task's tests and the config tests (which check its
-config.yaml); its machinery and the machinery's tests are the same files as the default
-project's, which pass in full."""
+The bake with every part (the default answers leave FSDP out) runs it all; the bake without
+parts (with the second task) runs its task's tests, and the machinery's tests of every file
+from which a "no" removed a part's code (WITHOUT_PARTS_RUNS): its other files are the bake
+with every part's (checked below). Each other task's project lints and passes its task's
+tests and the config tests (which check its config.yaml); its machinery and the machinery's
+tests are the same files as the default project's, which the bake with every part holds and
+passes in full."""
 
 import filecmp
 import subprocess
 from pathlib import Path
 
 import pytest
-from conftest import CHOICES, MANIFEST, TOOLS_ENV, WITHOUT_PARTS, bake, ci_step
+from conftest import CHOICES, EVERY_PART, MANIFEST, TOOLS_ENV, WHOLE_SUITES, bake, ci_step
 
 TASK_FILES = {
     *("model.py", "data.py", "synthetic_data.py", "config.yaml"),
@@ -59,14 +60,14 @@ SUITE_PARTS["daily loop and units"] += sorted(
 )
 # What the bake without parts runs of it: its own task's tests, and the tests of the core run
 # with no part loaded: training, checkpoints, stops and faults, evaluation, every entry point
-# under real torchrun. Its other tests run the same files as the default bake's (checked below:
+# under real torchrun. Its other tests run the same files as the bake with every part (checked below:
 # a "no" deletes files and changes no line of the others), with fewer parts loaded; its own CI
 # runs them all.
 WITHOUT_PARTS_RUNS = ("faults", "task and exactness", "training and launch", "memory, fsdp, streams and entry points")
 
 # The bake without parts carries the second example task: its own suite then runs that task's
 # tests beside the machinery's, and the task needs no separate run below.
-BAKES = {"default": {}, "without parts": {**WITHOUT_PARTS, "task": CHOICES["task"][1]}}
+BAKES = WHOLE_SUITES
 SUITE_TASKS = {answers.get("task", CHOICES["task"][0]) for answers in BAKES.values()}
 
 
@@ -83,14 +84,14 @@ def test_generated_project_lints_and_its_ci_runs_the_whole_suite(tmp_path, answe
     ]
     test_files = sorted(path.name for path in (project / "tests").glob("test_*.py"))
     listed = sorted(name for part in SUITE_PARTS.values() for name in part)
-    assert (listed if not answers else sorted(set(listed) & set(test_files))) == test_files
+    assert (listed if answers == EVERY_PART else sorted(set(listed) & set(test_files))) == test_files
 
 
 SUITE_RUNS = [
     pytest.param(part, answers, id=f"{part_name}-{bake_name}")
     for part_name, part in SUITE_PARTS.items()
     for bake_name, answers in BAKES.items()
-    if not answers or part_name in WITHOUT_PARTS_RUNS
+    if answers == EVERY_PART or part_name in WITHOUT_PARTS_RUNS
 ]
 
 
@@ -109,7 +110,7 @@ def test_generated_project_passes_its_own_suite(tmp_path, part, answers):
 def test_a_no_deletes_files_and_changes_no_line_of_the_others(tmp_path):
     """Every Python file both bakes have, but the task's own, is byte for byte the same: the
     core reaches the parts through their hooks, never through lines an answer cuts."""
-    default, without = bake(tmp_path / "default"), bake(tmp_path / "without", **BAKES["without parts"])
+    default, without = bake(tmp_path / "every", **EVERY_PART), bake(tmp_path / "without", **BAKES["without parts"])
     task_files = {"model.py", "data.py", "synthetic_data.py", "tests/test_task.py", "tests/test_data.py"}
     shared = {name for name in files(without) & files(default) if name.endswith(".py")} - task_files
     assert {"train.py", "engine/checkpoint.py", "engine/lifecycle.py", "tests/test_train.py"} <= shared

@@ -5,7 +5,7 @@ import re
 from pathlib import Path
 
 import pytest
-from conftest import CHOICES, OWNED_FILES, PART_ANSWERS, WITHOUT_PARTS, bake
+from conftest import CHOICES, EVERY_PART, OWNED_FILES, PART_ANSWERS, WITHOUT_PARTS, bake
 
 MAX_README_LINES = 250
 
@@ -43,8 +43,8 @@ def test_each_part_has_at_most_one_docs_page_and_every_mention_names_a_part():
 
 # Each task with every part and with none; and the default task without one part at a time,
 # where the other parts' pages may speak of it.
-VARIANTS = [(task, answers) for task in CHOICES["task"] for answers in ({}, WITHOUT_PARTS)] + [
-    (CHOICES["task"][0], {answer: "no"}) for answer in PART_ANSWERS
+VARIANTS = [(task, answers) for task in CHOICES["task"] for answers in (EVERY_PART, WITHOUT_PARTS)] + [
+    (CHOICES["task"][0], {**EVERY_PART, answer: "no"}) for answer in PART_ANSWERS
 ]
 
 LINK = re.compile(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)")
@@ -52,21 +52,24 @@ LINK = re.compile(r"\]\(([^)#\s]+\.md)(?:#[^)]*)?\)")
 
 def variant_id(variant) -> str:
     task, answers = variant
-    if not answers:
-        return f"{task}-default"
-    return f"{task}-no-parts" if answers == WITHOUT_PARTS else f"{task}-no-{next(iter(answers))}"
+    if answers == EVERY_PART:
+        return f"{task}-every-part"
+    if answers == WITHOUT_PARTS:
+        return f"{task}-no-parts"
+    return f"{task}-no-{next(name for name, value in answers.items() if value == 'no')}"
 
 
 @pytest.fixture(scope="module", params=VARIANTS, ids=variant_id)
 def project(request, tmp_path_factory):
     task, answers = request.param
-    return bake(tmp_path_factory.mktemp("readme"), task=task, **answers), answers
+    answered_no = {answer for answer, value in answers.items() if value == "no"}
+    return bake(tmp_path_factory.mktemp("readme"), task=task, **answers), answered_no
 
 
-def expected_pages(project, answers):
+def expected_pages(project, answered_no):
     """The docs pages of the bake but those of the parts answered no (the post-generation
     hook deletes them)."""
-    off = {page for answer in answers for page in PAGES[answer]}
+    off = {page for answer in answered_no for page in PAGES[answer]}
     return {page for page in (project / "docs").glob("*.md") if page.name not in off}
 
 

@@ -1,7 +1,8 @@
 """Every bake the answers allow, tested by construction: a set of bakes in which every pair
 of answer values (each yes/no answer of manifest.json, and the task) appears together at
-least once. Each lints as its own CI does and passes its quick tier; the default bake and
-the bake without parts also run their whole suites (test_generated_project.py)."""
+least once. The two bakes whose whole suites run (test_generated_project.py: every part, and
+none with the second task) are the first two; each other bake lints as its own CI does and
+passes its quick tier."""
 
 import ast
 import itertools
@@ -10,22 +11,25 @@ import re
 import subprocess
 
 import pytest
-from conftest import BIN, CHOICES, OWNED_FILES, TOOLS_ENV, bake
+from conftest import BIN, CHOICES, OWNED_FILES, TOOLS_ENV, WHOLE_SUITES, bake
 
 FACTORS = {"task": CHOICES["task"], **{answer: ["yes", "no"] for answer in OWNED_FILES}}
 
 
-def covering_bakes(factors: dict[str, list[str]], tries: int = 50) -> list[dict[str, str]]:
-    """Answers for a few bakes covering every pair of values of two factors. Each bake is the
-    best of `tries` greedy candidates: start from a pair not yet covered, then give the other
-    factors, in a shuffled order, the value covering most pairs still uncovered. A fixed seed
-    keeps the set (and each failing bake's id) the same from run to run."""
+def covering_bakes(factors: dict[str, list[str]], given: list[dict[str, str]], tries: int = 50) -> list[dict[str, str]]:
+    """Answers for a few bakes that, with the `given` ones, cover every pair of values of two
+    factors. Each bake is the best of `tries` greedy candidates: start from a pair not yet
+    covered, then give the other factors, in a shuffled order, the value covering most pairs
+    still uncovered. A fixed seed keeps the set (and each failing bake's id) the same from run
+    to run."""
     names, rng = list(factors), random.Random(0)
     uncovered = {
         pair
         for a, b in itertools.combinations(names, 2)
         for pair in itertools.product([(a, v) for v in factors[a]], [(b, v) for v in factors[b]])
     }
+    for answers in given:
+        uncovered -= pairs_of(answers)
     bakes = []
     while uncovered:
         candidates = [candidate(factors, uncovered, rng) for _ in range(tries)]
@@ -50,7 +54,20 @@ def pairs_of(answers: dict[str, str]) -> set:
     return set(itertools.combinations(answers.items(), 2))
 
 
-BAKES = covering_bakes(FACTORS)
+def as_factors(answers: dict) -> dict[str, str]:
+    """A bake's answers as the factors' values, the defaults where `answers` says nothing."""
+
+    def value(name: str) -> str:
+        given = answers.get(name, CHOICES[name])
+        if isinstance(given, list):
+            return given[0]  # a choice's default is its first
+        return ("yes" if given else "no") if isinstance(given, bool) else given
+
+    return {name: value(name) for name in FACTORS}
+
+
+GIVEN = [as_factors(answers) for answers in WHOLE_SUITES.values()]
+BAKES = covering_bakes(FACTORS, GIVEN)
 
 
 def bake_id(answers: dict) -> str:
@@ -62,8 +79,8 @@ def test_the_bakes_cover_every_pair_of_answer_values():
     names = list(FACTORS)
     for a, b in itertools.combinations(names, 2):
         wanted = set(itertools.product(FACTORS[a], FACTORS[b]))
-        assert wanted == {(answers[a], answers[b]) for answers in BAKES}, (a, b)
-    assert len(BAKES) <= 12
+        assert wanted == {(answers[a], answers[b]) for answers in GIVEN + BAKES}, (a, b)
+    assert len(GIVEN + BAKES) <= 12
 
 
 def part_hooks(project) -> set[str]:
@@ -85,14 +102,23 @@ def run(command: list[str], project) -> None:
     assert result.returncode == 0, f"{' '.join(command)}:\n{result.stdout[-4000:]}{result.stderr[-2000:]}"
 
 
+def assert_only_defined_hooks_are_called(project) -> None:
+    """Every hook the code calls on a part (`part.x`) is one that Part still defines."""
+    sources = [*(project / "engine").rglob("*.py"), project / "train.py", project / "evaluate.py"]
+    called = {(path.name, name) for path in sources for name in re.findall(r"\bpart\.(\w+)", path.read_text())}
+    hooks = part_hooks(project)
+    assert [f"{file}: part.{name}" for file, name in sorted(called) if name not in hooks] == []
+
+
 @pytest.mark.parametrize("answers", BAKES, ids=bake_id)
 def test_each_bake_lints_and_passes_its_quick_tier(tmp_path, answers):
     project = bake(tmp_path, **answers)
     run([str(BIN / "ruff"), "check", "."], project)
     run([str(BIN / "ruff"), "format", "--check", "."], project)
-    # Every hook the code calls on a part (`part.x`) is one that Part still defines.
-    sources = [*(project / "engine").rglob("*.py"), project / "train.py", project / "evaluate.py"]
-    called = {(path.name, name) for path in sources for name in re.findall(r"\bpart\.(\w+)", path.read_text())}
-    hooks = part_hooks(project)
-    assert [f"{file}: part.{name}" for file, name in sorted(called) if name not in hooks] == []
+    assert_only_defined_hooks_are_called(project)
     run(["python", "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "quick"], project)
+
+
+@pytest.mark.parametrize("answers", GIVEN, ids=bake_id)
+def test_the_bakes_with_whole_suites_call_only_hooks_part_defines(tmp_path, answers):
+    assert_only_defined_hooks_are_called(bake(tmp_path, **answers))

@@ -213,6 +213,8 @@ def unknown_key_message(key: str, known: list[str], moved: dict) -> str:
     same_name = [k for k in known if k.rsplit(".", 1)[-1] == leaf]
     close = same_name if len(same_name) == 1 else difflib.get_close_matches(key, known, n=1, cutoff=0.8)
     hint = f" (did you mean {close[0]!r}?)" if close and "[" not in key else ""  # the schema's keys name no items
+    if not hint and "." not in key:  # a whole section, perhaps of a part the project was generated without
+        hint = " (a part answered no at generation has no settings; .cookiecutter.json lists the answers)"
     return f"unknown config key {shown(key)}{hint}"
 
 

@@ -614,6 +614,9 @@ def test_a_key_given_twice_on_the_command_line_is_refused():
     assert str(error.value) == "model.offset is given twice on the command line ('1', then '2'); give it once"
 
 
+NO_PART = "a part answered no at generation has no settings; .cookiecutter.json lists the answers"
+
+
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -636,7 +639,11 @@ def test_a_key_given_twice_on_the_command_line_is_refused():
         ("model.lr=0.1", "unknown config key 'model.lr' (did you mean 'optim.lr'?)"),  # in another section
         ("train.zzz=1", "unknown config key 'train.zzz'"),
         ("train.optimiser=sgd", "unknown config key 'train.optimiser'"),
-        ("bogus=1", "unknown config key 'bogus'"),
+        *[  # a section no schema has, as that of a part the project was generated without
+            (f"{section}{rest}", f"unknown config key {section!r} ({NO_PART})")
+            for section, rest in [("bogus", "=1"), ("fsdp", ".enabled=true"), ("ema", ".decay=0.999")]
+            if not has(f"engine/parts/{section}.py")
+        ],
     ],
 )
 def test_a_moved_key_says_where_it_went_and_a_suggestion_is_close(override, message):

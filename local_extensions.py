@@ -129,7 +129,9 @@ def template_sources() -> set[str]:
                 collect(item)
 
     collect(template_questions())
-    for path in TEMPLATE_ROOT.rglob("*"):
+    project = TEMPLATE_ROOT / "{{cookiecutter.project_slug}}"  # the names cookiecutter renders
+    sources.add(project.name)
+    for path in project.rglob("*"):  # not the whole checkout: a .venv there holds 170,000 paths
         sources.add(path.name)
     for hook in (TEMPLATE_ROOT / "hooks").glob("*"):
         sources.add(hook.read_text())

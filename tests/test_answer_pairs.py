@@ -1,8 +1,8 @@
 """Every bake the answers allow, tested by construction: a set of bakes in which every pair
 of answer values (each yes/no answer of manifest.json, and the task) appears together at
 least once. The two bakes whose whole suites run (test_generated_project.py: every part, and
-none with the second task) are the first two; each other bake lints as its own CI does and
-passes its quick tier."""
+none with the second task) are given, and cover many pairs already; each bake added to them
+lints as its own CI does and passes its quick tier."""
 
 import ast
 import itertools

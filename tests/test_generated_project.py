@@ -110,11 +110,14 @@ def test_generated_project_passes_its_own_suite(tmp_path, part, answers):
 def test_a_no_deletes_files_and_changes_no_line_of_the_others(tmp_path):
     """Every Python file both bakes have, but the task's own, is byte for byte the same: the
     core reaches the parts through their hooks, never through lines an answer cuts."""
-    default, without = bake(tmp_path / "every", **EVERY_PART), bake(tmp_path / "without", **BAKES["without parts"])
+    every, without = (
+        bake(tmp_path / "every", **BAKES["every part"]),
+        bake(tmp_path / "without", **BAKES["without parts"]),
+    )
     task_files = {"model.py", "data.py", "synthetic_data.py", "tests/test_task.py", "tests/test_data.py"}
-    shared = {name for name in files(without) & files(default) if name.endswith(".py")} - task_files
+    shared = {name for name in files(without) & files(every) if name.endswith(".py")} - task_files
     assert {"train.py", "engine/checkpoint.py", "engine/lifecycle.py", "tests/test_train.py"} <= shared
-    differing = {name for name in shared if (default / name).read_bytes() != (without / name).read_bytes()}
+    differing = {name for name in shared if (every / name).read_bytes() != (without / name).read_bytes()}
     assert not differing, sorted(differing)
 
 
